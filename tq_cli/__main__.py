@@ -1,0 +1,5 @@
+"""`python -m tq_cli` is the `tq` command."""
+
+from tq_cli.app import main
+
+main()

@@ -1,0 +1,36 @@
+"""The `tq` command line: a Typer app whose subcommands live in tq_cli.commands.
+
+Exit codes: 0 success, 1 a user error (one line on stderr), 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from tq_cli import __version__
+from tq_cli.commands import convert as convert_cmd
+
+app = typer.Typer(
+    name="tq",
+    help="Convert language models into low-bit TurboQuant checkpoints and run them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command(name="convert", help=convert_cmd.HELP, epilog=convert_cmd.EPILOG)(convert_cmd.main)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """tq: TurboQuant conversion toolchain."""
+
+
+def main() -> None:
+    app()

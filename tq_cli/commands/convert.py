@@ -1,0 +1,149 @@
+"""`tq convert`: options -> ConvertSpec -> tq_cli.convert.convert, with progress and a table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+from pydantic import ValidationError
+from rich.table import Table
+
+from tq_cli.commands._common import emit_json, fail, run_library, stderr, stdout, tensor_progress
+from tq_cli.convert import ConvertResult, ConvertSpec, convert
+from tq_cli.pipeline import Finished
+from tq_cli.plan import Plan
+from tq_cli.spec import QuantSpec, RotationSpec
+
+HELP = "Convert a model folder (or hub id) into a TurboQuant checkpoint."
+EPILOG = """Examples:
+
+  tq convert ./SmolLM2-135M -o ./smol-tq4
+
+  tq convert ./SmolLM2-135M -o ./smol-tq3 --bits 3 --group-size 64 --rotation orthogonal
+
+  tq convert org/model -o out --recipe recipes/llama.toml --json > summary.json
+"""
+SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    m = SIZE.match(text.strip())
+    if not m:
+        raise typer.BadParameter(f"'{text}' is not a size like 2GB, 500MB or 1048576")
+    mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[m.group(2).upper()]
+    if m.group(3) and m.group(3).lower().startswith("i"):
+        mult = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2).upper()]
+    return int(float(m.group(1)) * mult)
+
+
+def parse_temperature(text: str | None) -> float | str | None:
+    if text is None or text == "none":
+        return None
+    if text == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise typer.BadParameter(f"'{text}' is not a number, 'auto' or 'none'") from None
+
+
+def main(
+    source: str = typer.Argument(..., help="Model folder, or a Hugging Face hub id (org/name)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output folder for the checkpoint."),
+    bits: int = typer.Option(4, "--bits", help="Bits per code: 2, 3, 4 or 8."),
+    group_size: int = typer.Option(128, "--group-size", help="Input columns per fp16 scale."),
+    rotation: str = typer.Option("hadamard", "--rotation",
+                                 help="hadamard | orthogonal | none."),
+    rotation_block: int | None = typer.Option(None, "--rotation-block",
+                                              help="Rotation block size (default: group size)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the rotation."),
+    codebook: str = typer.Option("lloyd-max", "--codebook", help="lloyd-max | uniform."),
+    outliers: float = typer.Option(0.001, "--outliers",
+                                   help="Fraction of weights kept exactly (0.001 = 0.1%)."),
+    scale_iters: int = typer.Option(4, "--scale-iters",
+                                    help="Scale/codebook refinement passes (0 = none)."),
+    window_overlap: int = typer.Option(0, "--window-overlap",
+                                       help="Columns of each neighbouring group in a group's "
+                                            "scale fit (articles' overlapping window)."),
+    temperature: str | None = typer.Option(None, "--temperature",
+                                           help="Soft codebook refinement: a number, 'auto' "
+                                                "(sqrt(d)/ln(group)) or 'none'."),
+    recipe: str | None = typer.Option(None, "--recipe",
+                                      help="Recipe name (llama, bert, generic) or TOML path."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    shard_size: str = typer.Option("2GB", "--shard-size", help="Largest output shard."),
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite",
+                                         help="Quantize NaN/Inf values as 0 instead of failing."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Replace OUT (kept until the new one is complete)."),
+    resume: bool = typer.Option(False, "--resume",
+                                help="Continue an interrupted conversion into OUT."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+) -> None:
+    try:
+        spec = ConvertSpec(
+            quant=QuantSpec(bits=bits, group_size=group_size, codebook=codebook,  # type: ignore[arg-type]
+                            outliers=outliers, scale_iters=scale_iters,
+                            window_overlap=window_overlap,
+                            temperature=parse_temperature(temperature)),
+            rotation=RotationSpec(kind=rotation, block=rotation_block, seed=seed),  # type: ignore[arg-type]
+            recipe=recipe, device=device, allow_nonfinite=allow_nonfinite,  # type: ignore[arg-type]
+            overwrite=overwrite, resume=resume, max_shard_bytes=parse_size(shard_size),
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        stderr.print(f"[bold red]usage error:[/] {where.split('.')[-1]}: {err['msg']}")
+        raise typer.Exit(code=2) from None
+
+    with tensor_progress() as bar:
+        tasks: dict[str, int] = {}
+
+        counts = {"done": 0, "total": 0}
+
+        def on_plan(plan: Plan) -> None:
+            counts["total"] = len(plan.tensors)
+            tasks["b"] = bar.add_task(f"tensors 0/{counts['total']}",
+                                      total=plan.source.total_bytes)
+
+        def on_done(fin: Finished, nbytes: int) -> None:
+            counts["done"] += 1
+            bar.update(tasks["b"], advance=nbytes,
+                       description=f"tensors {counts['done']}/{counts['total']}")
+
+        def log(msg: str) -> None:
+            bar.console.print(f"[yellow]warning:[/] {msg}", highlight=False)
+
+        result = run_library(lambda: convert(source, out, spec, on_plan=on_plan,
+                                             progress=on_done, log=log))
+    if as_json:
+        emit_json(result.summary())
+    else:
+        stdout.print(summary_table(result, spec))
+
+
+def summary_table(r: ConvertResult, spec: ConvertSpec) -> Table:
+    s = r.summary()
+    t = Table(title=f"tq convert -> {r.out}", show_header=True)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("settings", f"{spec.quant.bits}-bit, group {spec.quant.group_size}, "
+                     f"{spec.quant.codebook}, rotation {spec.rotation.kind}"),
+        ("tensors converted", str(r.tensors_converted)),
+        ("tensors kept", str(r.tensors_kept)),
+        ("bits per weight (converted)", f"{r.bits_per_weight:.4f}"),
+        ("mean rel. reconstruction error", f"{r.mean_rel_error:.6f}"),
+        ("max rel. reconstruction error", f"{r.max_rel_error:.6f}"),
+        ("source size", f"{r.source_bytes / 1e6:.1f} MB"),
+        ("checkpoint size", f"{r.output_bytes / 1e6:.1f} MB"),
+        ("time", f"{r.seconds:.1f} s"),
+        ("throughput", f"{s['throughput_mb_s']:.1f} MB/s"),
+        ("device", r.device),
+    ]
+    if r.resumed_tensors:
+        rows.append(("resumed (already done)", str(r.resumed_tensors)))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t

@@ -1,0 +1,325 @@
+"""`convert`: a model folder in, a format-v1 TurboQuant checkpoint out.
+
+Orchestrates the reader, the plan, the streaming pipeline and the writer. Output goes
+into a hidden partial folder beside OUT and is renamed into place only when complete,
+so an interrupted run never leaves a folder that looks finished, an existing OUT is
+replaced only after the new one is whole, and `resume` picks up verified tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tq_cli import __version__
+from tq_cli.card import render_card
+from tq_cli.errors import OutputError, UnsupportedError
+from tq_cli.io.manifest import MANIFEST, quantization_config, write_json
+from tq_cli.io.safetensors_reader import INDEX_NAME, OTHER_WEIGHT_SUFFIXES, open_source
+from tq_cli.io.source import resolve_source
+from tq_cli.io.writer import Journal, ShardWriter, file_sha256
+from tq_cli.pipeline import Finished, stream
+from tq_cli.plan import FORMAT_VERSION, Plan, make_plan
+from tq_cli.recipe import resolve_recipe
+from tq_cli.rotation import Rotation, make_rotation
+from tq_cli.spec import QuantSpec, RotationSpec
+
+PLAN_FILE = ".tq-plan.json"
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class ConvertSpec(BaseModel):
+    """Everything `convert` needs besides source and destination."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    quant: QuantSpec = Field(default_factory=QuantSpec)
+    rotation: RotationSpec = Field(default_factory=RotationSpec)
+    recipe: str | None = None
+    device: Device = "auto"
+    allow_nonfinite: bool = False
+    overwrite: bool = False
+    resume: bool = False
+    max_shard_bytes: int = Field(2 * 1024**3, ge=1)
+    seeds: dict[str, int] | None = None
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion did; `summary()` is what the CLI prints and --json emits."""
+
+    out: Path
+    tensors_converted: int
+    tensors_kept: int
+    bits_per_weight: float
+    mean_rel_error: float
+    max_rel_error: float
+    seconds: float
+    source_bytes: int
+    output_bytes: int
+    resumed_tensors: int = 0
+    device: str = "cpu"
+    warnings: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {
+            "out": str(self.out),
+            "tensors_converted": self.tensors_converted,
+            "tensors_kept": self.tensors_kept,
+            "bits_per_weight": round(self.bits_per_weight, 6),
+            "mean_rel_error": self.mean_rel_error,
+            "max_rel_error": self.max_rel_error,
+            "seconds": round(self.seconds, 3),
+            "source_bytes": self.source_bytes,
+            "output_bytes": self.output_bytes,
+            "throughput_mb_s": round(self.source_bytes / 1e6 / max(self.seconds, 1e-9), 2),
+            "resumed_tensors": self.resumed_tensors,
+            "device": self.device,
+        }
+
+
+def resolve_device(device: Device) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError("--device cuda was asked for, but no CUDA device is available; "
+                               "use --device cpu or auto")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def partial_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.tq-partial"
+
+
+ProgressFn = Callable[[Finished, int], None]
+
+
+def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
+            spec: ConvertSpec | None = None, *,
+            on_plan: Callable[[Plan], None] | None = None,
+            progress: ProgressFn | None = None,
+            log: Callable[[str], None] | None = None) -> ConvertResult:
+    """Convert SOURCE (folder or hub id) into a TurboQuant checkpoint at OUT."""
+    spec = spec or ConvertSpec()
+    t0 = time.perf_counter()
+    warnings: list[str] = []
+
+    def warn(msg: str) -> None:
+        warnings.append(msg)
+        if log:
+            log(msg)
+
+    folder = resolve_source(source)
+    model = open_source(folder)
+    out = Path(out)
+    if out.exists() and not spec.overwrite:
+        raise OutputError(f"{out}: already exists; pass --overwrite to replace it "
+                          "(the old folder is kept until the new one is complete)")
+    if out.resolve() == folder.resolve() or folder.resolve() in out.resolve().parents:
+        raise OutputError(f"{out}: is inside the source folder {folder}; choose another OUT")
+    recipe = resolve_recipe(spec.recipe, model.config)
+    plan = make_plan(model, recipe, spec.quant, spec.rotation, spec.seeds, spec.max_shard_bytes)
+    device = resolve_device(spec.device)
+    if on_plan:
+        on_plan(plan)
+
+    partial = partial_path(out)
+    plan_hash = plan.hash()
+    done: dict[str, dict] = {}
+    fresh = True
+    if partial.exists():
+        if spec.resume:
+            old = _read_plan_hash(partial)
+            if old != plan_hash:
+                raise OutputError(
+                    f"{partial}: an unfinished conversion made with other settings or another "
+                    "source; rerun without --resume to start over")
+            fresh = False
+        else:
+            warn(f"removing an unfinished conversion at {partial} (pass --resume to continue it)")
+            shutil.rmtree(partial)
+    elif spec.resume:
+        warn(f"nothing to resume at {partial}; starting from the beginning")
+    if fresh:
+        partial.mkdir(parents=True)
+        write_json(partial / PLAN_FILE, {"plan_hash": plan_hash, "tq_version": __version__})
+
+    writer = ShardWriter(partial, plan.layout)
+    writer.open(create=fresh)
+    journal = Journal(partial)
+    try:
+        if not fresh:
+            done = _verified(journal, writer)
+        rotations = _write_rotations(plan, writer, journal, done)
+        todo = [t for t in plan.tensors if t.info.name not in done]
+        for fin in stream(todo, writer, rotations, device, spec.allow_nonfinite, warn):
+            entry = {"tensor": fin.plan.info.name, "digests": fin.digests, "record": fin.record}
+            journal.append(entry)
+            done[fin.plan.info.name] = entry
+            if progress:
+                progress(fin, fin.plan.info.nbytes)
+    finally:
+        writer.close()
+    resumed = sum(1 for t in plan.tensors if t.info.name in done) - len(todo)
+    result = _finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
+                     max(resumed, 0), warnings)
+    return result
+
+
+def _read_plan_hash(partial: Path) -> str | None:
+    try:
+        return json.loads((partial / PLAN_FILE).read_text()).get("plan_hash")
+    except (OSError, ValueError):
+        return None
+
+
+def _verified(journal: Journal, writer: ShardWriter) -> dict[str, dict]:
+    """Journal entries whose bytes on disk still match their recorded digests."""
+    ok: dict[str, dict] = {}
+    for entry in journal.read():
+        digests = entry.get("digests", {})
+        if digests and all(k in writer.layout.slots and writer.digest(k) == d
+                           for k, d in digests.items()):
+            ok[entry["tensor"]] = entry
+    return ok
+
+
+def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
+                     done: dict[str, dict]) -> dict[str, Rotation]:
+    rotations: dict[str, Rotation] = {}
+    for rid, rp in plan.rotations.items():
+        rot = make_rotation(rp.spec, rp.n, rp.block)
+        rotations[rid] = rot
+        name = f"tq.rotation.{rid}"
+        if name in done:
+            continue
+        digests = {key: writer.write(key, t) for key, t in rot.tensors().items()}
+        entry = {"tensor": name, "digests": digests, "record": {"action": "rotation"}}
+        journal.append(entry)
+        done[name] = entry
+    return rotations
+
+
+def _finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: ConvertSpec,
+            device: torch.device, seconds: float, resumed: int,
+            warnings: list[str]) -> ConvertResult:
+    """Manifest, index, config, copied files and card; then rename into place."""
+    shard_sha = {name: file_sha256(partial / name) for name in plan.layout.shards}
+    rot_bytes = {rid: sum(plan.layout.slots[k].nbytes for k, _, _ in rp.keys)
+                 for rid, rp in plan.rotations.items()}
+    tensors = []
+    conv_bits = 0.0
+    conv_params = 0
+    errors = []
+    nonfinite_total = 0
+    for tp in plan.tensors:
+        rec = done[tp.info.name]["record"]
+        entry: dict = {"name": tp.info.name, "shape": list(tp.info.shape),
+                       "dtype": tp.info.dtype, "action": tp.action,
+                       "keys": [k for k, _, _ in tp.keys],
+                       "shards": sorted({plan.layout.slots[k].shard for k, _, _ in tp.keys})}
+        if tp.action == "quantize":
+            assert tp.quant is not None and tp.rotation is not None
+            share = (rot_bytes[tp.rotation_id] / plan.rotations[tp.rotation_id].users
+                     if tp.rotation_id else 0.0)
+            nbytes = rec["nbytes"] + share
+            bpw = nbytes * 8 / tp.info.numel
+            conv_bits += nbytes * 8
+            conv_params += tp.info.numel
+            errors.append(rec["rel_error"])
+            nonfinite_total += rec.get("nonfinite", 0)
+            entry.update({
+                "spec": tp.quant.model_dump(),
+                "rotation": {"kind": tp.rotation.kind, "block": tp.block,
+                             "seed": tp.rotation.seed, "id": tp.rotation_id},
+                "bytes": rec["nbytes"], "rotation_bytes_share": share,
+                "bits_per_weight": bpw, "rel_error": rec["rel_error"],
+                "nonfinite": rec.get("nonfinite", 0),
+            })
+        else:
+            entry["bytes"] = tp.info.nbytes
+        tensors.append(entry)
+    output_bytes = sum(plan.layout.shard_size(s) for s in plan.layout.shards)
+    result = ConvertResult(
+        out=out, tensors_converted=len(plan.converted),
+        tensors_kept=len(plan.tensors) - len(plan.converted),
+        bits_per_weight=conv_bits / conv_params if conv_params else 0.0,
+        mean_rel_error=sum(errors) / len(errors) if errors else 0.0,
+        max_rel_error=max(errors) if errors else 0.0,
+        seconds=seconds, source_bytes=plan.source.total_bytes, output_bytes=output_bytes,
+        resumed_tensors=resumed, device=str(device), warnings=warnings)
+    kept_modules = sorted({t.info.name.rsplit(".", 1)[0] for t in plan.tensors
+                           if t.action == "keep" and t.info.name.endswith(".weight")})
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "tq_version": __version__,
+        "source": {"path": str(plan.source.folder), "name": plan.source.folder.name,
+                   "fingerprint": plan.source.fingerprint, "bytes": plan.source.total_bytes},
+        "recipe": plan.recipe.model_dump(exclude_none=True),
+        "quant": spec.quant.model_dump(),
+        "rotation": spec.rotation.model_dump(),
+        "rotations": {rid: {"kind": rp.spec.kind, "n": rp.n, "block": rp.block,
+                            "seed": rp.spec.seed, "keys": [k for k, _, _ in rp.keys]}
+                      for rid, rp in plan.rotations.items()},
+        "summary": {**result.summary(), "nonfinite_values": nonfinite_total},
+        "tensors": tensors,
+        "shards": shard_sha,
+    }
+    manifest["summary"].pop("out", None)
+    write_json(partial / MANIFEST, manifest)
+    index = {"metadata": {"total_size": sum(s.nbytes for s in plan.layout.slots.values()),
+                          "format": "tq", "tq_format_version": FORMAT_VERSION},
+             "weight_map": {k: s.shard for k, s in plan.layout.slots.items()}}
+    write_json(partial / INDEX_NAME, index)
+    config = dict(plan.source.config or {})
+    block = spec.rotation.block
+    config["quantization_config"] = quantization_config(
+        spec.quant.model_dump(), spec.rotation.model_dump(), block, kept_modules)
+    write_json(partial / "config.json", config)
+    _copy_other_files(plan.source.folder, partial)
+    (partial / "README.md").write_text(render_card(manifest))
+    for name in (PLAN_FILE, ".tq-journal.jsonl"):
+        (partial / name).unlink(missing_ok=True)
+    _swap_into_place(partial, out)
+    return result
+
+
+def _copy_other_files(src: Path, dst: Path) -> None:
+    """Tokenizer and other non-weight files, copied; weights and the old card are not."""
+    skip = {"config.json", INDEX_NAME, "README.md", MANIFEST}
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+            continue
+        if str(rel) in skip or path.suffix == ".safetensors" or \
+                path.name.endswith(OTHER_WEIGHT_SUFFIXES):
+            continue
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+
+
+def _swap_into_place(partial: Path, out: Path) -> None:
+    """Rename the finished folder to OUT; an old OUT is removed only after that."""
+    old = out.parent / f".{out.name}.tq-old"
+    if old.exists():
+        shutil.rmtree(old)
+    if out.exists():
+        os.rename(out, old)
+    os.rename(partial, out)
+    fd = os.open(out.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old.exists():
+        shutil.rmtree(old)

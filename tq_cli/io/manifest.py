@@ -1,0 +1,62 @@
+"""`tq_manifest.json` and the `quantization_config` of config.json (format v1).
+
+The manifest is plain JSON: format and tq versions, the source fingerprint, the
+recipe and specs, per tensor what was done and where it is stored, and a sha256 per
+output shard. Readers refuse a newer format version by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tq_cli.errors import TqError
+
+MANIFEST = "tq_manifest.json"
+FORMAT_VERSION = 1
+QUANT_METHOD = "turboquant"
+
+
+class NotACheckpointError(TqError):
+    """The folder is not a tq checkpoint."""
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a tq folder, checked for a format version this tq can read."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise NotACheckpointError(
+            f"{folder}: not a tq checkpoint (no {MANIFEST}); convert it with `tq convert`")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise NotACheckpointError(f"{path}: not valid JSON; the checkpoint is damaged") from e
+    version = data.get("format_version")
+    if not isinstance(version, int):
+        raise NotACheckpointError(f"{path}: no format_version; the checkpoint is damaged")
+    if version > FORMAT_VERSION:
+        raise TqError(
+            f"{path}: format version {version} is newer than this tq reads "
+            f"({FORMAT_VERSION}); upgrade tq")
+    return data
+
+
+def quantization_config(quant: dict, rotation: dict, block: int | None,
+                        kept_modules: list[str]) -> dict:
+    """The config.json entry that marks a folder as a TurboQuant checkpoint."""
+    return {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "bits": quant["bits"],
+        "group_size": quant["group_size"],
+        "codebook": quant["codebook"],
+        "outliers": quant["outliers"],
+        "rotation": rotation["kind"],
+        "rotation_block": block,
+        "seed": rotation["seed"],
+        "modules_to_not_convert": kept_modules,
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,176 @@
+"""The streaming stages of `convert`: read -> rotate (CPU) -> quantize (device) -> write.
+
+Each stage is a thread joined to the next by a queue of one item, so tensor i+1 rotates
+while tensor i quantizes and tensor i-1 is written (DESIGN.md, data flow), and at most a
+handful of tensors are alive at once: peak memory follows the largest tensor, not the
+shard or the model. Kept tensors are copied byte for byte by the reader thread in
+chunks and never decoded. torch releases the GIL in its kernels, so threads overlap.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from tq_cli.errors import NonFiniteError
+from tq_cli.io.safetensors_reader import read_tensor
+from tq_cli.io.writer import ShardWriter
+from tq_cli.plan import TensorPlan
+from tq_cli.quantizer import QuantizedTensor, quantize_rotated
+from tq_cli.rotation import Rotation
+
+
+@dataclass
+class Finished:
+    """A source tensor fully written: its keys' digests and what the manifest records."""
+
+    plan: TensorPlan
+    digests: dict[str, str]
+    record: dict = field(default_factory=dict)
+
+
+class _Stop(Exception):
+    pass
+
+
+_END = object()
+
+
+def _put(q: queue.Queue, item: object, stop: threading.Event) -> None:
+    while True:
+        if stop.is_set():
+            raise _Stop
+        try:
+            q.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
+def _get(q: queue.Queue, stop: threading.Event) -> object:
+    while True:
+        if stop.is_set():
+            raise _Stop
+        try:
+            return q.get(timeout=0.1)
+        except queue.Empty:
+            continue
+
+
+def _stage(fn: Callable[[object], object], src: queue.Queue, dst: queue.Queue,
+           stop: threading.Event) -> None:
+    try:
+        while True:
+            item = _get(src, stop)
+            if item is _END or isinstance(item, BaseException):
+                _put(dst, item, stop)
+                return
+            _put(dst, fn(item), stop)
+    except _Stop:
+        return
+    except BaseException as e:
+        try:
+            _put(dst, e, stop)
+        except _Stop:
+            pass
+
+
+def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rotation],
+           device: torch.device, allow_nonfinite: bool = False,
+           log: Callable[[str], None] | None = None) -> Iterator[Finished]:
+    """Convert `todo` and yield each tensor once its bytes are written."""
+    stop = threading.Event()
+    q_read: queue.Queue = queue.Queue(maxsize=1)
+    q_rot: queue.Queue = queue.Queue(maxsize=1)
+    q_quant: queue.Queue = queue.Queue(maxsize=1)
+    delay = float(os.environ.get("TQ_DEBUG_TENSOR_DELAY", "0") or 0)  # tests kill mid-way
+
+    def read_all() -> None:
+        try:
+            for tp in todo:
+                if tp.action == "keep":
+                    key = tp.keys[0][0]
+                    _put(q_read, Finished(tp, {key: writer.copy(key, tp.info)},
+                                          {"action": "keep"}), stop)
+                else:
+                    _put(q_read, (tp, read_tensor(tp.info)), stop)
+            _put(q_read, _END, stop)
+        except _Stop:
+            return
+        except BaseException as e:
+            try:
+                _put(q_read, e, stop)
+            except _Stop:
+                pass
+
+    def rotate(item: object) -> object:
+        if isinstance(item, Finished):
+            return item
+        tp, t = item  # type: ignore[misc]
+        w = t.to(torch.float32)
+        bad = ~torch.isfinite(w)
+        nonfinite = int(bad.sum())
+        if nonfinite:
+            if not allow_nonfinite:
+                raise NonFiniteError(
+                    f"{tp.info.file.name}: tensor '{tp.info.name}' contains {nonfinite} NaN/Inf "
+                    "values; fix the source or pass --allow-nonfinite to quantize them as 0")
+            w = torch.where(bad, torch.zeros_like(w), w)
+            if log:
+                log(f"tensor '{tp.info.name}': {nonfinite} NaN/Inf values quantized as 0")
+        rot = rotations[tp.rotation_id] if tp.rotation_id else None
+        w_rot = rot.rotate(w) if rot is not None else w
+        return tp, w_rot, rot, nonfinite
+
+    def quant(item: object) -> object:
+        if isinstance(item, Finished):
+            return item
+        tp, w_rot, rot, nonfinite = item  # type: ignore[misc]
+        assert tp.quant is not None
+        if rot is None:
+            rot = Rotation("none", w_rot.shape[1], tp.block, 0)
+        t0 = time.perf_counter()
+        q = quantize_rotated(w_rot, tp.quant, rot, device)
+        return tp, q, nonfinite, time.perf_counter() - t0
+
+    threads = [
+        threading.Thread(target=read_all, name="tq-read", daemon=True),
+        threading.Thread(target=_stage, args=(rotate, q_read, q_rot, stop),
+                         name="tq-rotate", daemon=True),
+        threading.Thread(target=_stage, args=(quant, q_rot, q_quant, stop),
+                         name="tq-quantize", daemon=True),
+    ]
+    for th in threads:
+        th.start()
+    try:
+        while True:
+            item = _get(q_quant, stop)
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, Finished):
+                yield item
+            else:
+                tp, q, nonfinite, secs = item  # type: ignore[misc]
+                yield _write(tp, q, nonfinite, secs, writer)
+            if delay:
+                time.sleep(delay)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=5)
+
+
+def _write(tp: TensorPlan, q: QuantizedTensor, nonfinite: int, secs: float,
+           writer: ShardWriter) -> Finished:
+    digests = {key: writer.write(key, t) for key, t in q.storage(tp.info.name).items()}
+    record = {"action": "quantize", "rel_error": q.rel_error, "nbytes": q.nbytes(),
+              "nonfinite": nonfinite, "seconds": round(secs, 4)}
+    return Finished(tp, digests, record)

