@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import write_safetensors
+
 from tq_cli.convert import ConvertSpec, convert, partial_path
 from tq_cli.errors import TqError
 
@@ -17,7 +17,7 @@ from tq_cli.errors import TqError
 def fails(folder: Path, out: Path, match: str, spec: ConvertSpec | None = None) -> None:
     with pytest.raises(TqError, match=match):
         convert(folder, out, spec)
-    assert not out.exists() or spec is not None and not spec.overwrite
+    assert not out.exists() or (spec is not None and not spec.overwrite)
 
 
 def test_missing_folder(tmp_path: Path) -> None:

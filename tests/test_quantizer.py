@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -50,7 +52,7 @@ def test_refinement_never_hurts() -> None:
     w = torch.randn(128, 256, generator=torch.Generator().manual_seed(2))
     errs = [quantize(w, QuantSpec(bits=3, scale_iters=i, outliers=0)).rel_error
             for i in (0, 1, 2, 4)]
-    assert all(b <= a + 1e-7 for a, b in zip(errs, errs[1:], strict=False))
+    assert all(b <= a + 1e-7 for a, b in itertools.pairwise(errs))
 
 
 def test_outliers_are_kept_exactly() -> None:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -25,14 +26,14 @@ def _cdf(x: float) -> float:
     return 0.5 * (1.0 + math.erf(x / math.sqrt(2)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lloyd_max_gaussian(levels: int, iters: int = 2000) -> tuple[tuple[float, ...], float]:
     """Lloyd-Max levels for N(0,1) and their MSE (e.g. 4 levels -> MSE 0.1175)."""
     c = [(-1.0 + 2.0 * (k + 0.5) / levels) * 2.5 for k in range(levels)]
     for _ in range(iters):
-        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(c, c[1:], strict=False)] + [math.inf]
+        edges = [-math.inf] + [(a + b) / 2 for a, b in itertools.pairwise(c)] + [math.inf]
         new = []
-        for a, b in zip(edges, edges[1:], strict=False):
+        for a, b in itertools.pairwise(edges):
             mass = _cdf(b) - _cdf(a)
             new.append((_phi(a) - _phi(b)) / mass if mass > 0 else (a + b) / 2)
         done = max(abs(x - y) for x, y in zip(c, new, strict=False)) < 1e-12
@@ -40,7 +41,7 @@ def lloyd_max_gaussian(levels: int, iters: int = 2000) -> tuple[tuple[float, ...
         if done:
             break
     # MSE = E[x^2] - sum_k P_k c_k^2 for centroid quantizers.
-    edges = [-math.inf] + [(a + b) / 2 for a, b in zip(c, c[1:], strict=False)] + [math.inf]
+    edges = [-math.inf] + [(a + b) / 2 for a, b in itertools.pairwise(c)] + [math.inf]
     mse = 1.0 - sum((_cdf(b) - _cdf(a)) * ck * ck
                     for ck, a, b in zip(c, edges, edges[1:], strict=False))
     return tuple(c), mse

@@ -259,7 +259,7 @@ def _finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: C
         resumed_tensors=resumed, device=str(device), warnings=warnings)
     kept_modules = sorted({t.info.name.rsplit(".", 1)[0] for t in plan.tensors
                            if t.action == "keep" and t.info.name.endswith(".weight")})
-    manifest = {
+    manifest: dict = {
         "format_version": FORMAT_VERSION,
         "tq_version": __version__,
         "source": {"path": str(plan.source.folder), "name": plan.source.folder.name,
@@ -270,11 +270,11 @@ def _finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: C
         "rotations": {rid: {"kind": rp.spec.kind, "n": rp.n, "block": rp.block,
                             "seed": rp.spec.seed, "keys": [k for k, _, _ in rp.keys]}
                       for rid, rp in plan.rotations.items()},
-        "summary": {**result.summary(), "nonfinite_values": nonfinite_total},
+        "summary": {k: v for k, v in result.summary().items() if k != "out"}
+        | {"nonfinite_values": nonfinite_total},
         "tensors": tensors,
         "shards": shard_sha,
     }
-    manifest["summary"].pop("out", None)
     write_json(partial / MANIFEST, manifest)
     index = {"metadata": {"total_size": sum(s.nbytes for s in plan.layout.slots.values()),
                           "format": "tq", "tq_format_version": FORMAT_VERSION},

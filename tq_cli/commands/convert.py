@@ -7,13 +7,13 @@ from pathlib import Path
 
 import typer
 from pydantic import ValidationError
+from rich.progress import TaskID
 from rich.table import Table
 
-from tq_cli.commands._common import emit_json, fail, run_library, stderr, stdout, tensor_progress
+from tq_cli.commands._common import emit_json, run_library, stderr, stdout, tensor_progress
 from tq_cli.convert import ConvertResult, ConvertSpec, convert
 from tq_cli.pipeline import Finished
 from tq_cli.plan import Plan
-from tq_cli.spec import QuantSpec, RotationSpec
 
 HELP = "Convert a model folder (or hub id) into a TurboQuant checkpoint."
 EPILOG = """Examples:
@@ -24,6 +24,14 @@ EPILOG = """Examples:
 
   tq convert org/model -o out --recipe recipes/llama.toml --json > summary.json
 """
+FLAGS = {
+    "quant.bits": "--bits", "quant.group_size": "--group-size", "quant.codebook": "--codebook",
+    "quant.outliers": "--outliers", "quant.scale_iters": "--scale-iters",
+    "quant.window_overlap": "--window-overlap", "quant.temperature": "--temperature",
+    "rotation.kind": "--rotation", "rotation.block": "--rotation-block", "rotation.seed": "--seed",
+    "device": "--device", "max_shard_bytes": "--shard-size",
+    "quant": "quantization options", "rotation": "rotation options",
+}
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
 
 
@@ -82,23 +90,25 @@ def main(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
 ) -> None:
     try:
-        spec = ConvertSpec(
-            quant=QuantSpec(bits=bits, group_size=group_size, codebook=codebook,  # type: ignore[arg-type]
-                            outliers=outliers, scale_iters=scale_iters,
-                            window_overlap=window_overlap,
-                            temperature=parse_temperature(temperature)),
-            rotation=RotationSpec(kind=rotation, block=rotation_block, seed=seed),  # type: ignore[arg-type]
-            recipe=recipe, device=device, allow_nonfinite=allow_nonfinite,  # type: ignore[arg-type]
-            overwrite=overwrite, resume=resume, max_shard_bytes=parse_size(shard_size),
-        )
+        spec = ConvertSpec.model_validate({
+            "quant": {"bits": bits, "group_size": group_size, "codebook": codebook,
+                      "outliers": outliers, "scale_iters": scale_iters,
+                      "window_overlap": window_overlap,
+                      "temperature": parse_temperature(temperature)},
+            "rotation": {"kind": rotation, "block": rotation_block, "seed": seed},
+            "recipe": recipe, "device": device, "allow_nonfinite": allow_nonfinite,
+            "overwrite": overwrite, "resume": resume, "max_shard_bytes": parse_size(shard_size),
+        })
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
-        stderr.print(f"[bold red]usage error:[/] {where.split('.')[-1]}: {err['msg']}")
+        flag = FLAGS.get(where, "--" + where.replace("_", "-"))
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        stderr.print(f"[bold red]usage error:[/] {flag}: {msg}", highlight=False)
         raise typer.Exit(code=2) from None
 
     with tensor_progress() as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         counts = {"done": 0, "total": 0}
 

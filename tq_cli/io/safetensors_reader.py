@@ -9,6 +9,7 @@ memory stays at one tensor. Messages name the file, the tensor and the fix.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -131,7 +132,7 @@ def read_header(path: Path) -> tuple[dict, int, bytes]:
                 f"{data_start + end}, file has {size}); re-download the shard")
         spans.append((begin, end, tname))
     spans.sort()
-    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:], strict=False):
+    for (_b0, e0, n0), (b1, _e1, n1) in itertools.pairwise(spans):
         if b1 < e0:
             raise CorruptFileError(
                 f"{name}: tensors '{n0}' and '{n1}' overlap in the data section; the header "

@@ -77,7 +77,8 @@ def plan_layout(groups: list[list[tuple[str, str, tuple[int, ...]]]], max_shard_
     layout = Layout()
     total = len(bins)
     for i, entries in enumerate(bins):
-        name = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        name = ("model.safetensors" if total == 1
+                else f"model-{i + 1:05d}-of-{total:05d}.safetensors")
         entries = sorted(entries, key=lambda e: -DTYPES[e[1]][1])
         header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         pos = 0
@@ -104,7 +105,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().to("cpu").contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
 
 
 class ShardWriter:

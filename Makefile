@@ -1,0 +1,46 @@
+# tq: install, demo, test, lint, bench.
+#
+# `make install` builds .venv. torch is installed first and explicitly, so pip never
+# resolves an unpinned `torch` to a multi-GB CUDA build on a machine without a GPU:
+#   - no GPU (no nvidia-smi): torch==$(CPU_TORCH), with $(TORCH_INDEX) as index if set
+#     (on this project's machines pip finds a local CPU wheel of 2.13.0; elsewhere set
+#     TORCH_INDEX=https://download.pytorch.org/whl/cpu to get the CPU build);
+#   - a GPU: the normal (CUDA) torch from PyPI.
+# pyproject's `torch>=2.3` is then already satisfied and installs nothing more.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CPU_TORCH ?= 2.13.0
+TORCH_INDEX ?=
+DEMO_OUT ?= $(HOME)/.cache/tq/demo/SmolLM2-135M-Instruct-tq4
+
+.PHONY: install demo test lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch; \
+	else \
+		$(PY) -m pip install -q "torch==$(CPU_TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	@model=$$($(PY) -m tq_cli.testmodels smollm2) && \
+	$(VENV)/bin/tq convert "$$model" -o $(DEMO_OUT) --bits 4 --overwrite
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check tq_cli kernels tests scripts
+	$(VENV)/bin/mypy tq_cli kernels
+
+bench: install
+	$(PY) scripts/bench_convert.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
