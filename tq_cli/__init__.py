@@ -4,6 +4,11 @@ Library API (the CLI is a thin layer over these):
     convert(source, out, spec)        stream a model folder into a format-v1 checkpoint
     quantize(weight, spec, rotation)  -> QuantizedTensor (pure)
     dequantize(q)                     -> Tensor (pure)
+    load(path_or_hub_id)              -> a transformers model with TQLinear layers
+
+Once tq_cli is imported, `transformers.AutoModel*.from_pretrained(tq_folder)` works too:
+the turboquant quantizer registers itself as soon as transformers is imported (at once
+if it already is), without making `import tq_cli` pay for importing transformers.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ _LAZY = {
     "QuantSpec": "tq_cli.spec",
     "RotationSpec": "tq_cli.spec",
     "TqError": "tq_cli.errors",
+    "load": "tq_cli.loader",
 }
 
 if TYPE_CHECKING:
     from tq_cli.convert import ConvertSpec, convert
     from tq_cli.errors import TqError
+    from tq_cli.loader import load
     from tq_cli.quantizer import QuantizedTensor, dequantize, quantize
     from tq_cli.spec import QuantSpec, RotationSpec
 
@@ -39,5 +46,52 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tq_cli' has no attribute {name!r}")
 
 
+def _register_with_transformers() -> None:
+    import importlib
+
+    try:
+        importlib.import_module("tq_cli.hf_integration")
+    except Exception as e:  # an incompatible transformers must not break tq itself
+        import warnings
+
+        warnings.warn(f"tq: cannot register with transformers ({e})", RuntimeWarning,
+                      stacklevel=2)
+
+
+class _OnTransformersImport:
+    """A meta-path hook that registers tq right after `transformers` itself is imported."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+        if name != "transformers":
+            return None
+        import importlib.util
+        import sys
+
+        sys.meta_path.remove(self)  # type: ignore[arg-type]
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module: object) -> None:
+            original(module)
+            _register_with_transformers()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _install_hook() -> None:
+    import sys
+
+    if "transformers" in sys.modules:
+        _register_with_transformers()
+    elif not any(isinstance(f, _OnTransformersImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnTransformersImport())  # type: ignore[arg-type]
+
+
+_install_hook()
+
 __all__ = ["ConvertSpec", "QuantSpec", "QuantizedTensor", "RotationSpec", "TqError",
-           "__version__", "convert", "dequantize", "quantize"]
+           "__version__", "convert", "dequantize", "load", "quantize"]

@@ -133,9 +133,9 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             return item
         tp = item.plan
         w = item.tensor.to(torch.float32)
-        bad = ~torch.isfinite(w)
-        nonfinite = int(bad.sum())
+        nonfinite = int((~torch.isfinite(w)).sum())
         if nonfinite:
+            bad = ~torch.isfinite(w)
             if not allow_nonfinite:
                 raise NonFiniteError(
                     f"{tp.info.file.name}: tensor '{tp.info.name}' contains {nonfinite} NaN/Inf "
@@ -145,7 +145,7 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
                 log(f"tensor '{tp.info.name}': {nonfinite} NaN/Inf values quantized as 0")
         rot = (rotations[tp.rotation_id] if tp.rotation_id
                else Rotation("none", w.shape[1], tp.block, 0))
-        return _Rotated(tp, rot.rotate(w), rot, nonfinite)
+        return _Rotated(tp, rot.rotate_rows(w), rot, nonfinite)
 
     def quant(item: object) -> object:
         if not isinstance(item, _Rotated):

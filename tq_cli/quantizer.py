@@ -14,11 +14,13 @@ Work runs over row chunks so memory stays a small multiple of the weight itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tq_kernels.packing import pack_codes, packed_row_bytes, unpack_codes
+from tq_kernels.packing import pack_codes, packed_row_bytes
+from tq_kernels.reference import dequantize_codes
 
 from tq_cli.codebook import initial_codebook, nearest
 from tq_cli.rotation import Rotation, make_rotation
@@ -86,17 +88,13 @@ def quantize(weight: torch.Tensor, spec: QuantSpec,
         raise ValueError(f"quantize needs a 2-D weight, got shape {tuple(weight.shape)}")
     rot = rotation if isinstance(rotation, Rotation) else make_rotation(
         rotation or RotationSpec(kind="hadamard"), weight.shape[1], spec.group_size)
-    return quantize_rotated(rot.rotate(weight.float()), spec, rot, device)
+    return quantize_rotated(rot.rotate_rows(weight.float()), spec, rot, device)
 
 
 def dequantize_rotated(q: QuantizedTensor) -> torch.Tensor:
     """W_hat @ R in float32: what the kernels multiply rotated activations with."""
-    _out, n = q.shape
-    g = q.spec.group_size
-    codes = unpack_codes(q.codes, q.spec.bits, n).long()
-    levels = q.codebook.float()[codes]
-    scales = q.scales.float().repeat_interleave(g, dim=1)[:, :n]
-    w = levels * scales
+    w = dequantize_codes(q.codes, q.scales, q.codebook, bits=q.spec.bits,
+                         group_size=q.spec.group_size, in_features=q.shape[1])
     if q.outlier_idx.numel():
         w.view(-1).index_add_(0, q.outlier_idx.long(), q.outlier_val.float())
     return w
@@ -201,16 +199,15 @@ class _Fit:
             upd = torch.where(den > 0, num / den.clamp(min=1e-300), self.codebook.double())
             self.codebook = torch.sort(upd.float()).values
 
-    def residual_chunks(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(r0, r1, x, codes, residual) per chunk with the current (fp16-rounded) scales."""
-        res = []
+    def residual_chunks(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]]:
+        """(r0, r1, x, codes, residual) per chunk, one chunk alive at a time."""
         for r0, r1 in self.chunks():
             x, _ = self.load(r0, r1)
             s = self.scales[r0:r1][..., None]
             codes = nearest(x / self._safe(s), self.codebook)
             resid = (x - self.codebook[codes] * s) * self.colmask
-            res.append((r0, r1, x, codes, resid))
-        return res
+            yield r0, r1, x, codes, resid
 
     def pick_outliers(self, k: int) -> None:
         best_v = torch.empty(0, device=self.device)

@@ -45,6 +45,17 @@ class Rotation:
             return rk.orthogonal_rotate(x, self.matrix, self.tail, self.block)
         return x
 
+    def rotate_rows(self, w: torch.Tensor, chunk_elements: int = 1 << 22) -> torch.Tensor:
+        """w @ R for a large 2-D weight, a block of rows at a time, so the transform's
+        temporaries stay a few MB instead of several copies of the whole weight."""
+        if self.kind == "none":
+            return w
+        out = torch.empty_like(w)
+        rows = max(1, chunk_elements // max(1, w.shape[1]))
+        for r in range(0, w.shape[0], rows):
+            out[r:r + rows] = self.rotate(w[r:r + rows])
+        return out
+
     def unrotate(self, x: torch.Tensor) -> torch.Tensor:
         """x @ R.T over the last dimension."""
         if self.kind == "hadamard":

@@ -1,0 +1,139 @@
+"""tq_cli.load and from_pretrained on converted tiny models, and the loader's errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import tq_cli
+from tq_cli.convert import ConvertSpec, convert
+from tq_cli.errors import TqError
+from tq_cli.io.checkpoint import Checkpoint
+from tq_cli.quantizer import dequantize
+from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.tq_linear import TQLinear
+
+
+@pytest.fixture(scope="module", params=["hadamard", "orthogonal"])
+def llama_tq(request: pytest.FixtureRequest, tiny_llama: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ld") / f"llama-{request.param}"
+    convert(tiny_llama, out, ConvertSpec(quant=QuantSpec(bits=3, group_size=64),
+                                         rotation=RotationSpec(kind=request.param)))
+    return out
+
+
+def _dequantized_reference(cls: type, source: Path, ck_folder: Path) -> torch.nn.Module:
+    model = cls.from_pretrained(source, dtype=torch.float32).eval()
+    ck = Checkpoint(ck_folder)
+    state = {e["name"]: dequantize(ck.quantized(e["name"])) for e in ck.manifest["tensors"]
+             if e["action"] == "quantize"}
+    prefix = model.base_model_prefix + "."
+    state = {(k if k in model.state_dict() else prefix + k): v for k, v in state.items()}
+    missing = set(state) - set(model.state_dict())
+    assert not missing
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def test_llama_logits_match_dequantized_model(llama_tq: Path, tiny_llama: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    model = tq_cli.load(llama_tq, device="cpu")
+    layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    assert len(layers) == 14 and all(m.backend == "torch" for m in layers)
+    ref = _dequantized_reference(LlamaForCausalLM, tiny_llama, llama_tq)
+    ids = torch.randint(0, 320, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_bert_embeddings_match_dequantized_model(tiny_bert: Path, tmp_path: Path) -> None:
+    from transformers import BertModel
+
+    out = tmp_path / "bert-tq"
+    convert(tiny_bert, out, ConvertSpec(quant=QuantSpec(bits=4, group_size=32)))
+    model = tq_cli.load(out, device="cpu")
+    assert sum(isinstance(m, TQLinear) for m in model.modules()) == 12
+    ref = _dequantized_reference(BertModel, tiny_bert, out)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model(ids).last_hidden_state, ref(ids).last_hidden_state
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_from_pretrained_builds_tq_layers(llama_tq: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_tq)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, TQLinear) and layer.rotation is not None
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    with torch.no_grad():
+        assert torch.allclose(model(torch.tensor([[1, 2, 3]])).logits,
+                              tq_cli.load(llama_tq)(torch.tensor([[1, 2, 3]])).logits)
+
+
+def test_tq_linear_dequantize_and_memory(llama_tq: Path) -> None:
+    model = tq_cli.load(llama_tq)
+    layer = model.model.layers[1].mlp.down_proj
+    want = dequantize(Checkpoint(llama_tq).quantized("model.layers.1.mlp.down_proj.weight"))
+    assert torch.allclose(layer.dequantize(), want, atol=1e-5)
+    # 3-bit codes + fp16 scales per 64 + codebook + 0.1% outliers, well under fp16's 2 bytes.
+    assert layer.memory_bytes() < 0.3 * layer.in_features * layer.out_features * 2
+    rep = model.tq_report
+    assert rep["layers"] == 14 and rep["packed_bytes"] < 0.3 * rep["fp16_bytes"]
+    assert rep["tq_bytes"] == rep["packed_bytes"] + rep["rotation_bytes"]
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_not_a_checkpoint(tiny_llama: Path) -> None:
+    with pytest.raises(TqError, match=r"not a tq checkpoint \(no tq_manifest.json\); convert "
+                                      "it with `tq convert`"):
+        tq_cli.load(tiny_llama)
+
+
+def test_newer_format_is_refused(llama_tq: Path, tmp_path: Path) -> None:
+    d = _copy(llama_tq, tmp_path)
+    man = json.loads((d / "tq_manifest.json").read_text())
+    man["format_version"] = 2
+    (d / "tq_manifest.json").write_text(json.dumps(man))
+    with pytest.raises(TqError, match="format version 2 is newer than this tq reads "
+                                      r"\(1\); upgrade tq"):
+        tq_cli.load(d)
+
+
+def test_checksum_mismatch_names_the_shard(llama_tq: Path, tmp_path: Path) -> None:
+    d = _copy(llama_tq, tmp_path)
+    shard = sorted(d.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(TqError, match=f"{shard.name}: checksum mismatch"):
+        tq_cli.load(d)
+
+
+def test_rotation_material_must_match_seed(llama_tq: Path, tmp_path: Path) -> None:
+    d = _copy(llama_tq, tmp_path)
+    man = json.loads((d / "tq_manifest.json").read_text())
+    rid = next(iter(man["rotations"]))
+    man["rotations"][rid]["seed"] = 12345
+    (d / "tq_manifest.json").write_text(json.dumps(man))
+    with pytest.raises(TqError, match=f"rotation material '{rid}' does not match its seed 12345"):
+        tq_cli.load(d)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_request_on_cpu_machine(llama_tq: Path) -> None:
+    with pytest.raises(TqError, match="no CUDA device is available; pass device='cpu'"):
+        tq_cli.load(llama_tq, device="cuda")

@@ -1,0 +1,104 @@
+"""`load()`: a format-v1 folder (or hub id) in, a runnable transformers model out.
+
+Checks before building anything: it is a tq checkpoint, its format version is one this
+tq reads, every shard matches its manifest checksum, and every stored rotation matches
+a fresh draw from its seed. The model is then built on the meta device by transformers'
+`from_pretrained` with the turboquant quantizer registered (tq_cli.hf_integration), so
+converted layers are TQLinear from the start and no full-size weight is ever allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tq_cli.errors import CorruptFileError, TqError, UnsupportedError
+from tq_cli.io.checkpoint import Checkpoint
+from tq_cli.io.source import resolve_source
+from tq_cli.rotation import verify
+from tq_cli.tq_linear import TQLinear
+
+log = logging.getLogger("tq")
+
+
+def _model_class(config: dict) -> Any:
+    import transformers
+
+    for arch in config.get("architectures") or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    if config.get("is_decoder") or "CausalLM" in str(config.get("architectures")):
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModel
+
+
+def check_checkpoint(folder: Path, verify_checksums: bool = True) -> Checkpoint:
+    """Manifest, version, checksums and rotation material; raises TqError naming the problem."""
+    ck = Checkpoint(folder)
+    if verify_checksums:
+        ck.verify_checksums()
+    for rid, info in ck.manifest.get("rotations", {}).items():
+        if not verify(ck.rotation(rid)):
+            raise CorruptFileError(
+                f"{folder}: rotation material '{rid}' does not match its seed "
+                f"{info['seed']}; the checkpoint was altered or made by an incompatible tq")
+    return ck
+
+
+def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | None = None,
+         dtype: torch.dtype | None = None, verify_checksums: bool = True) -> nn.Module:
+    """Load a tq checkpoint as a transformers model whose converted layers are TQLinear.
+
+    device: None picks CUDA when available, else CPU; "cuda" without CUDA is an error.
+    dtype: of activations and kept tensors; default float16 on CUDA, float32 on CPU.
+    """
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError("device 'cuda' was asked for, but no CUDA device is available; "
+                               "pass device='cpu'")
+    dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
+    folder = resolve_source(path_or_hub_id)
+    check_checkpoint(folder, verify_checksums)
+    try:
+        from tq_cli import hf_integration
+    except ImportError as e:
+        raise TqError("loading a tq checkpoint needs transformers: pip install 'tq[models]'") from e
+    hf_integration.register()
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    cls = _model_class(config)
+    model = cls.from_pretrained(folder, dtype=dtype)
+    model = model.to(dev).eval()
+    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                 if t.device.type == "meta"]
+    if leftovers:
+        raise CorruptFileError(f"{folder}: tensors missing from the checkpoint: "
+                               f"{', '.join(leftovers[:5])}")
+    layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    model.tq_report = report(model)
+    log.info("tq: %d TQLinear layers, backends %s", len(layers),
+             dict(model.tq_report["backends"]))
+    return model
+
+
+def report(model: nn.Module) -> dict:
+    """Backends per layer and the memory of converted layers against fp16."""
+    layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    packed = sum(m.memory_bytes() for m in layers)
+    holder = getattr(model, "tq", None)
+    rot = (sum(b.numel() * b.element_size() for b in holder.buffers())
+           if isinstance(holder, nn.Module) else 0)
+    fp16 = sum(2 * m.out_features * (m.in_features + (1 if m.bias is not None else 0))
+               for m in layers)
+    return {"layers": len(layers), "backends": Counter(m.backend for m in layers),
+            "packed_bytes": packed, "rotation_bytes": rot, "tq_bytes": packed + rot,
+            "fp16_bytes": fp16}

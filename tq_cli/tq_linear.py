@@ -1,0 +1,128 @@
+"""TQLinear: a linear layer that computes from packed TurboQuant weights.
+
+forward(x) = grouped_matmul(x @ R, codes, scales, codebook) + outliers + bias, with the
+rotation and the matmul dispatched to Triton on CUDA and to the torch reference
+elsewhere (tq_kernels.dispatch). State-dict keys match format v1: the packed tensors
+live in a child module named `weight` (`X.weight.codes`, ...), and the rotation
+material in a shared `model.tq.rotation[<id>]` module that layers only reference.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from tq_kernels import dispatch
+from tq_kernels.reference import add_outliers, dequantize_codes
+
+PACKED = ("codes", "scales", "codebook", "outlier_idx", "outlier_val")
+_warned_fallback = False
+
+
+class PackedWeight(nn.Module):
+    """Holds a converted weight's packed buffers; named `weight` inside TQLinear."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    codebook: torch.Tensor
+    outlier_idx: torch.Tensor
+    outlier_val: torch.Tensor
+
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        super().__init__()
+        for name, (shape, dtype) in specs.items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+
+
+class RotationMaterial(nn.Module):
+    """A rotation's stored material (signs, or matrix and tail) as buffers."""
+
+    signs: torch.Tensor
+    matrix: torch.Tensor
+
+    def __init__(self, kind: str, block: int,
+                 specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        super().__init__()
+        self.kind, self.block = kind, block
+        for name, (shape, dtype) in specs.items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+
+    def material(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        if self.kind == "hadamard":
+            return self.signs
+        return self.matrix, getattr(self, "tail", None)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch.rotate(x, self.material(), self.block)
+
+
+class TQLinear(nn.Module):
+    """y = x W^T + b with W stored as TurboQuant codes (format v1)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bits: int, group_size: int,
+                 specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 bias: tuple[tuple[int, ...], torch.dtype] | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        self.weight = PackedWeight(specs)
+        if bias is not None:
+            self.bias = nn.Parameter(torch.empty(bias[0], dtype=bias[1], device="meta"),
+                                     requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        # Set after loading; kept out of _modules so its buffers are not duplicated.
+        self.__dict__["rotation"] = None
+
+    @property
+    def rotation(self) -> RotationMaterial | None:
+        return self.__dict__["rotation"]
+
+    def set_rotation(self, rotation: RotationMaterial | None) -> None:
+        self.__dict__["rotation"] = rotation
+
+    @property
+    def backend(self) -> str:
+        return dispatch.backend_for(self.weight.codes.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global _warned_fallback
+        if x.is_cuda and self.backend != "triton" and not _warned_fallback:
+            _warned_fallback = True
+            warnings.warn("tq: Triton is unavailable, TQLinear runs the torch reference on "
+                          "CUDA (much slower than expected)", RuntimeWarning, stacklevel=2)
+        w = self.weight
+        x_rot = self.rotation.rotate(x) if self.rotation is not None else x
+        y = dispatch.grouped_matmul(x_rot, w.codes, w.scales, w.codebook, bits=self.bits,
+                                    group_size=self.group_size, out_features=self.out_features,
+                                    in_features=self.in_features)
+        y = add_outliers(y, x_rot, w.outlier_idx, w.outlier_val, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in the original basis, float32 [out, in] (for export or debugging)."""
+        w = self.weight
+        rot_space = dequantize_codes(w.codes, w.scales, w.codebook, bits=self.bits,
+                                     group_size=self.group_size, in_features=self.in_features)
+        if w.outlier_idx.numel():
+            rot_space.view(-1).index_add_(0, w.outlier_idx.long(), w.outlier_val.float())
+        if self.rotation is None:
+            return rot_space
+        # W = W_rot R^T: rotate the rows of I to get R, then multiply.
+        eye = torch.eye(self.in_features, device=rot_space.device)
+        r = self.rotation.rotate(eye).float()
+        return rot_space @ r.T
+
+    def memory_bytes(self) -> int:
+        """Bytes of this layer's own buffers (packed weight and bias; rotation is shared)."""
+        total = sum(b.numel() * b.element_size() for b in self.weight.buffers())
+        if self.bias is not None:
+            total += self.bias.numel() * self.bias.element_size()
+        return total
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}")
