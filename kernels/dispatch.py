@@ -12,6 +12,7 @@ import os
 from types import ModuleType
 
 import torch
+
 from tq_kernels import reference
 
 

@@ -6,6 +6,7 @@ They define what the Triton kernels must compute, and they are what runs on CPU.
 from __future__ import annotations
 
 import torch
+
 from tq_kernels.packing import unpack_codes
 from tq_kernels.rotation import hadamard_rotate, orthogonal_rotate
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from tq_kernels.packing import PLANES, padded_length
 from tq_kernels.rotation import hadamard_blocks
 
@@ -60,6 +61,10 @@ def _grouped_matmul_kernel(
 
 
 _DOT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Above this many rows the fused kernel's advantage (reading 4-bit weights instead of
+# fp16) is outweighed by cuBLAS's tensor-core efficiency, so the weight is dequantized
+# once and multiplied with F.linear. Not yet tuned on a GPU; see scripts/gpu_bench.py.
+DEQUANT_ABOVE_ROWS = 64
 
 
 def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -74,6 +79,12 @@ def grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).contiguous()
     m = x2.shape[0]
+    if m > DEQUANT_ABOVE_ROWS and x.is_cuda:
+        from tq_kernels.reference import dequantize_codes
+
+        w = dequantize_codes(codes, scales, codebook, bits=bits, group_size=group_size,
+                             in_features=in_features).to(x.dtype)
+        return torch.nn.functional.linear(x2, w).reshape(*lead, out_features)
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n, block_k = 64, 64

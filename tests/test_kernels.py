@@ -8,11 +8,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from tq_kernels import reference
 
 from tq_cli.quantizer import quantize
 from tq_cli.rotation import make_rotation
 from tq_cli.spec import QuantSpec, RotationSpec
+from tq_kernels import reference
 
 tk = pytest.importorskip("tq_kernels.triton_kernels")
 

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from tq_kernels.packing import pack_codes, packed_row_bytes, unpack_codes
 
 

@@ -107,3 +107,39 @@ def test_minilm_converts_and_embeds(minilm: Path, tmp_path: Path) -> None:
     cos = (embed() * ref).sum(-1)
     # Measured: 0.96-0.97 at 4 bits; round-to-nearest at the same bits gives 0.77-0.89.
     assert float(cos.min()) > 0.94, cos
+
+
+def test_smollm2_loads_and_generates(smol_tq4: Path) -> None:
+    from transformers import AutoTokenizer
+
+    import tq_cli
+
+    tok = AutoTokenizer.from_pretrained(smol_tq4)
+    model = tq_cli.load(smol_tq4, device="cpu")
+    assert model.tq_report["layers"] == 210
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
+    if not isinstance(ids, torch.Tensor):
+        ids = ids["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in text, text
+
+
+def test_minilm_loads_and_embeds(minilm: Path, tmp_path: Path) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    import tq_cli
+
+    out = tmp_path / "minilm-tq8"
+    convert(minilm, out, ConvertSpec(quant=QuantSpec(bits=8)))
+    tok = AutoTokenizer.from_pretrained(out)
+    batch = tok(["A man is eating food.", "Quantization shrinks models."], padding=True,
+                return_tensors="pt")
+    model = tq_cli.load(out, device="cpu")
+    ref = AutoModel.from_pretrained(minilm).eval()
+    with torch.no_grad():
+        a = model(**batch).last_hidden_state.mean(1)
+        b = ref(**batch).last_hidden_state.mean(1)
+    assert torch.nn.functional.cosine_similarity(a, b).min() > 0.999

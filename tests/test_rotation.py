@@ -1,9 +1,9 @@
 import pytest
 import torch
-from tq_kernels.rotation import hadamard_blocks, walsh_hadamard
 
 from tq_cli.rotation import make_rotation, verify
 from tq_cli.spec import RotationSpec
+from tq_kernels.rotation import hadamard_blocks, walsh_hadamard
 
 
 def sylvester(n: int) -> torch.Tensor:

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tq_kernels.packing import pack_codes, packed_row_bytes
-from tq_kernels.reference import dequantize_codes
 
 from tq_cli.codebook import initial_codebook, nearest
 from tq_cli.rotation import Rotation, make_rotation
 from tq_cli.spec import QuantSpec, RotationSpec, temperature_auto
+from tq_kernels.packing import pack_codes, packed_row_bytes
+from tq_kernels.reference import dequantize_codes
 
 CHUNK_ELEMENTS = 1 << 21
 FP16_MAX = 65504.0

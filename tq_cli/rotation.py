@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tq_kernels import rotation as rk
 
 from tq_cli.errors import UnsupportedError
 from tq_cli.spec import RotationKind, RotationSpec
+from tq_kernels import rotation as rk
 
 ROTATION_PREFIX = "tq.rotation."
 

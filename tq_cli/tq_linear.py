@@ -13,6 +13,7 @@ import warnings
 
 import torch
 from torch import nn
+
 from tq_kernels import dispatch
 from tq_kernels.reference import add_outliers, dequantize_codes
 
