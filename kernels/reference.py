@@ -11,7 +11,7 @@ from tq_kernels.packing import PLANES, padded_length
 from tq_kernels.rotation import hadamard_rotate, orthogonal_rotate
 
 # Rotation material: a ±1 sign vector (Hadamard) or (matrix, tail) (orthogonal).
-Material = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]
+Material = torch.Tensor | tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 def _byte_table(values: torch.Tensor, width: int) -> torch.Tensor:

@@ -75,15 +75,15 @@ def hadamard_unrotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch
     return _blockwise_wht(x, block) * signs.to(x.dtype)
 
 
-def _blockwise_matmul(x: torch.Tensor, matrix: torch.Tensor, tail: torch.Tensor | None,
-                      block: int, transpose: bool) -> torch.Tensor:
+def _blockwise_matmul(x: torch.Tensor, matrix: torch.Tensor | None,
+                      tail: torch.Tensor | None, block: int, transpose: bool) -> torch.Tensor:
     n = x.shape[-1]
     nfull = n // block
     parts = []
-    m = matrix.to(x.dtype)
-    if transpose:
-        m = m.T
     if nfull:
+        if matrix is None or matrix.shape != (block, block):
+            raise ValueError(f"a {block} x {block} block matrix is needed for n={n}")
+        m = matrix.to(x.dtype).T if transpose else matrix.to(x.dtype)
         head = x[..., : nfull * block].reshape(*x.shape[:-1], nfull, block)
         parts.append((head @ m).reshape(*x.shape[:-1], -1))
     if n % block:
@@ -94,13 +94,13 @@ def _blockwise_matmul(x: torch.Tensor, matrix: torch.Tensor, tail: torch.Tensor 
     return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
 
-def orthogonal_rotate(x: torch.Tensor, matrix: torch.Tensor, tail: torch.Tensor | None,
-                      block: int) -> torch.Tensor:
+def orthogonal_rotate(x: torch.Tensor, matrix: torch.Tensor | None,
+                      tail: torch.Tensor | None, block: int) -> torch.Tensor:
     """x @ R for R = blockdiag(Q, ..., Q, Q_tail)."""
     return _blockwise_matmul(x, matrix, tail, block, transpose=False)
 
 
-def orthogonal_unrotate(x: torch.Tensor, matrix: torch.Tensor, tail: torch.Tensor | None,
-                        block: int) -> torch.Tensor:
+def orthogonal_unrotate(x: torch.Tensor, matrix: torch.Tensor | None,
+                        tail: torch.Tensor | None, block: int) -> torch.Tensor:
     """x @ R.T, the inverse of `orthogonal_rotate`."""
     return _blockwise_matmul(x, matrix, tail, block, transpose=True)

@@ -141,7 +141,8 @@ def _block_matmul_kernel(x_ptr, q_ptr, y_ptr, M, stride_m, col0, b,
              mask=mask)
 
 
-def rotate(x: torch.Tensor, material: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
+def rotate(x: torch.Tensor,
+           material: torch.Tensor | tuple[torch.Tensor | None, torch.Tensor | None],
            block: int) -> torch.Tensor:
     """x @ R blockwise; same contract as tq_kernels.reference.rotate."""
     n = x.shape[-1]
@@ -170,11 +171,14 @@ def rotate(x: torch.Tensor, material: torch.Tensor | tuple[torch.Tensor, torch.T
         matrix, tail = material
         full = n // block
         if full:
+            if matrix is None:
+                raise ValueError(f"a {block} x {block} block matrix is needed for n={n}")
             _block_matmul_kernel[(triton.cdiv(m, block_m), full)](
                 x2, matrix.float().contiguous(), y, m, x2.stride(0), 0, block,
                 BP=max(16, triton.next_power_of_2(block)), BLOCK_M=block_m)
         if n % block:
-            assert tail is not None
+            if tail is None:
+                raise ValueError(f"a tail matrix of size {n % block} is needed for n={n}")
             r = n % block
             _block_matmul_kernel[(triton.cdiv(m, block_m), 1)](
                 x2, tail.float().contiguous(), y, m, x2.stride(0), full * block, r,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from tq_cli.convert import ConvertSpec, convert
+from tq_cli.converter import ConvertSpec, convert
 from tq_cli.io.safetensors_reader import open_source
 from tq_cli.spec import QuantSpec
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import tq_cli
-from tq_cli.convert import ConvertSpec, convert
+from tq_cli.converter import ConvertSpec, convert
 from tq_cli.spec import QuantSpec
 from tq_cli.testmodels import smollm2_folder
 

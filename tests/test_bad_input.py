@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import write_safetensors
 
-from tq_cli.convert import ConvertSpec, convert, partial_path
+from tq_cli.converter import ConvertSpec, convert, partial_path
 from tq_cli.errors import TqError
 
 
@@ -144,9 +144,59 @@ def test_existing_output_is_refused_and_untouched(small_folder: Path, tmp_path: 
     (out / "precious.txt").write_text("keep me")
     with pytest.raises(TqError, match=r"out: already exists; pass --overwrite to replace it"):
         convert(small_folder, out)
+    with pytest.raises(TqError, match=r"out: exists and is not a tq checkpoint; --overwrite "
+                                      "only replaces a tq checkpoint or an empty folder"):
+        convert(small_folder, out, ConvertSpec(overwrite=True))
     assert (out / "precious.txt").read_text() == "keep me"
-    convert(small_folder, out, ConvertSpec(overwrite=True))
-    assert not (out / "precious.txt").exists() and (out / "tq_manifest.json").exists()
+    (out / "precious.txt").unlink()
+    convert(small_folder, out, ConvertSpec(overwrite=True))  # an empty folder is fine
+    convert(small_folder, out, ConvertSpec(overwrite=True))  # and so is a tq checkpoint
+    assert (out / "tq_manifest.json").exists()
+
+
+def test_output_that_contains_the_source_is_refused(small_folder: Path) -> None:
+    with pytest.raises(TqError, match="contains the source folder"):
+        convert(small_folder, small_folder.parent, ConvertSpec(overwrite=True))
+    assert (small_folder / "model.safetensors").exists()
+
+
+def test_output_that_is_a_file_is_refused(small_folder: Path, tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(TqError, match="exists and is not a folder"):
+        convert(small_folder, f, ConvertSpec(overwrite=True))
+    assert f.read_text() == "x"
+
+
+def test_model_with_nothing_to_convert(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    write_safetensors(folder / "model.safetensors", {"model.norm.weight": torch.ones(8)})
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    fails(folder, tmp_path / "out", "no tensor matches a quantize rule of recipe 'llama'")
+
+
+def test_invalid_recipe_override_names_the_rule(small_folder: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "r"\n[[rules]]\npattern = "*up_proj*"\nbits = 5\n')
+    fails(small_folder, tmp_path / "out",
+          r"recipe 'r': rule '\*up_proj\*' \(matching 'model.layers.0.mlp.up_proj.weight'\) "
+          "gives invalid settings: bits must be 2, 3, 4 or 8, got 5",
+          ConvertSpec(recipe=str(recipe)))
+
+
+def test_hub_cache_snapshot_with_symlinked_shards(tmp_path: Path) -> None:
+    blobs = tmp_path / "blobs"
+    snap = tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    write_safetensors(blobs / "1", {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 64)})
+    (snap / "model-00001-of-00001.safetensors").symlink_to(blobs / "1")
+    (snap / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.layers.0.mlp.up_proj.weight": "model-00001-of-00001.safetensors"}}))
+    (snap / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    r = convert(snap, tmp_path / "out")
+    assert r.tensors_converted == 1
 
 
 def test_failed_overwrite_keeps_the_old_output(small_folder: Path, tmp_path: Path) -> None:

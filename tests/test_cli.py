@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from tq_cli.app import app
@@ -48,11 +50,8 @@ def test_usage_errors_exit_2(small_folder: Path, tmp_path: Path) -> None:
     assert r.exit_code == 2 and "--rotation: Input should be 'hadamard'" in r.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cuda_request_without_cuda(small_folder: Path, tmp_path: Path) -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        return
     r = runner.invoke(app, ["convert", str(small_folder), "-o", str(tmp_path / "o"),
                             "--device", "cuda"])
     assert r.exit_code == 1 and "no CUDA device is available" in r.stderr

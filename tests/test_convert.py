@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tq_cli.convert import ConvertSpec, convert, partial_path
+from tq_cli.converter import ConvertSpec, convert, partial_path
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.safetensors_reader import open_source, read_tensor
 from tq_cli.quantizer import dequantize
@@ -192,7 +192,9 @@ def test_resume_redoes_damaged_tensors(tiny_llama: Path, tmp_path: Path) -> None
     proc = _run_cli(["convert", str(tiny_llama), "-o", str(out), "--group-size", "64"],
                     {"TQ_DEBUG_TENSOR_DELAY": "0.3"})
     journal = partial_path(out) / JOURNAL
+    deadline = time.time() + 120
     while not (journal.exists() and len(journal.read_text().splitlines()) >= 4):
+        assert time.time() < deadline and proc.poll() is None, "conversion did not start"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -218,3 +220,53 @@ def test_resume_redoes_damaged_tensors(tiny_llama: Path, tmp_path: Path) -> None
     a = json.loads((out / "tq_manifest.json").read_text())["shards"]
     b = json.loads((tmp_path / "ref" / "tq_manifest.json").read_text())["shards"]
     assert a == b
+
+
+def test_resume_survives_a_cut_journal_line(tiny_llama: Path, tmp_path: Path) -> None:
+    from tq_cli.io.writer import JOURNAL
+
+    out = tmp_path / "out"
+    spec = ConvertSpec(quant=QuantSpec(group_size=64))
+    convert(tiny_llama, tmp_path / "ref", spec)
+    proc = _run_cli(["convert", str(tiny_llama), "-o", str(out), "--group-size", "64"],
+                    {"TQ_DEBUG_TENSOR_DELAY": "0.3"})
+    journal = partial_path(out) / JOURNAL
+    deadline = time.time() + 120
+    while not (journal.exists() and len(journal.read_text().splitlines()) >= 5):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with open(journal, "a") as f:
+        f.write('{"tensor": "model.layers.1.ml')  # a line cut by the kill
+    first = convert(tiny_llama, out, spec.model_copy(update={"resume": True}))
+    assert first.resumed_tensors >= 2
+    a = json.loads((out / "tq_manifest.json").read_text())["shards"]
+    b = json.loads((tmp_path / "ref" / "tq_manifest.json").read_text())["shards"]
+    assert a == b
+
+
+def test_library_convert_can_be_called_twice(small_folder: Path, tmp_path: Path) -> None:
+    import tq_cli
+
+    tq_cli.convert(small_folder, tmp_path / "a")
+    tq_cli.convert(small_folder, tmp_path / "b")
+    assert callable(tq_cli.convert)
+
+
+def test_orthogonal_narrower_than_block_stores_no_full_matrix(tmp_path: Path) -> None:
+    from conftest import write_safetensors
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    write_safetensors(folder / "model.safetensors",
+                      {"model.layers.0.mlp.up_proj.weight": torch.randn(16, 40)})
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    r = convert(folder, tmp_path / "o", ConvertSpec(rotation=RotationSpec(kind="orthogonal")))
+    # codes 4 + scale 16/40 + codebook 512/640 + a 40x40 fp32 tail 80: no 128x128 matrix
+    assert r.bits_per_weight < 90
+    ck = Checkpoint(tmp_path / "o")
+    assert [k.rsplit(".", 1)[1] for k in ck.rotation_keys()] == ["tail"]
+    w = read_tensor(open_source(folder).tensors["model.layers.0.mlp.up_proj.weight"])
+    w_hat = dequantize(ck.quantized("model.layers.0.mlp.up_proj.weight"))
+    assert float((w - w_hat).pow(2).sum() / w.pow(2).sum()) < 0.02

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tq_cli
-from tq_cli.convert import ConvertSpec, convert
+from tq_cli.converter import ConvertSpec, convert
 from tq_cli.errors import TqError
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.quantizer import dequantize
@@ -137,3 +137,17 @@ def test_rotation_material_must_match_seed(llama_tq: Path, tmp_path: Path) -> No
 def test_cuda_request_on_cpu_machine(llama_tq: Path) -> None:
     with pytest.raises(TqError, match="no CUDA device is available; pass device='cpu'"):
         tq_cli.load(llama_tq, device="cuda")
+
+
+def test_converted_tensor_that_is_not_a_linear_is_refused(tmp_path: Path) -> None:
+    """GPT-2 keeps its projections in Conv1D modules: loading must fail, not randomise."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    src = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100,
+                               n_positions=32)).save_pretrained(src)
+    out = tmp_path / "gpt2-tq"
+    convert(src, out, ConvertSpec(quant=QuantSpec(group_size=32)))
+    with pytest.raises(TqError, match=r"converted tensor 'transformer.h.0.attn.c_attn.weight' "
+                                      r"belongs to Conv1D, not an nn.Linear"):
+        tq_cli.load(out)

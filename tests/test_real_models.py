@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tq_cli.convert import ConvertSpec, convert
+from tq_cli.converter import ConvertSpec, convert
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.safetensors_reader import open_source, read_tensor
 from tq_cli.quantizer import dequantize

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "convert": "tq_cli.convert",
-    "ConvertSpec": "tq_cli.convert",
+    "convert": "tq_cli.converter",
+    "ConvertSpec": "tq_cli.converter",
     "quantize": "tq_cli.quantizer",
     "dequantize": "tq_cli.quantizer",
     "QuantizedTensor": "tq_cli.quantizer",
@@ -30,7 +30,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from tq_cli.convert import ConvertSpec, convert
+    from tq_cli.converter import ConvertSpec, convert
     from tq_cli.errors import TqError
     from tq_cli.loader import load
     from tq_cli.quantizer import QuantizedTensor, dequantize, quantize

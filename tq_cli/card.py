@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def render_card(manifest: dict) -> str:
     s = manifest["summary"]
@@ -38,5 +40,5 @@ def render_card(manifest: dict) -> str:
     ]
     evals = manifest.get("eval")
     if evals:
-        lines += ["", "## Evaluation", "", "```json", str(evals), "```"]
+        lines += ["", "## Evaluation", "", "```json", json.dumps(evals, indent=2), "```"]
     return "\n".join(lines) + "\n"

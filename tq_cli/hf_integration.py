@@ -21,6 +21,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from tq_cli.errors import UnsupportedError
 from tq_cli.io.manifest import QUANT_METHOD, read_manifest
 from tq_cli.io.safetensors_reader import DTYPES, read_header
 from tq_cli.tq_linear import PACKED, RotationMaterial, TQLinear
@@ -62,7 +63,11 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
         name = next((n for n in (ck, f"{prefix}.{ck}", ck.removeprefix(prefix + "."))
                      if n in modules), None)
         if name is None or not isinstance(modules[name], nn.Linear):
-            continue
+            found = type(modules[name]).__name__ if name is not None else "no module"
+            raise UnsupportedError(
+                f"{folder}: converted tensor '{e['name']}' belongs to {found}, not an "
+                f"nn.Linear of {type(model).__name__}; tq can only run converted nn.Linear "
+                "layers, so convert this model with a recipe that keeps that tensor")
         old = modules[name]
         specs = {s: headers[f"{ck}.weight.{s}"] for s in PACKED}
         bias = headers.get(f"{ck}.bias") if old.bias is not None else None

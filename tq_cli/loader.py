@@ -66,7 +66,7 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
                                "pass device='cpu'")
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     folder = resolve_source(path_or_hub_id)
-    check_checkpoint(folder, verify_checksums)
+    ck = check_checkpoint(folder, verify_checksums)
     try:
         from tq_cli import hf_integration
     except ImportError as e:
@@ -84,6 +84,12 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
         raise CorruptFileError(f"{folder}: tensors missing from the checkpoint: "
                                f"{', '.join(leftovers[:5])}")
     layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    converted = sum(1 for e in ck.manifest["tensors"] if e["action"] == "quantize")
+    if len(layers) != converted:
+        # transformers would have initialised the missing layers at random: never return that.
+        raise CorruptFileError(
+            f"{folder}: {converted} tensors were converted but {len(layers)} TQLinear layers "
+            "were built; is tq_cli imported before transformers loads the model?")
     model.tq_report = report(model)
     log.info("tq: %d TQLinear layers, backends %s", len(layers),
              dict(model.tq_report["backends"]))

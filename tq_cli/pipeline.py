@@ -117,8 +117,8 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             for tp in todo:
                 if tp.action == "keep":
                     key = tp.keys[0][0]
-                    _put(q_read, Finished(tp, {key: writer.copy(key, tp.info)},
-                                          {"action": "keep"}), stop)
+                    digest = writer.copy(key, tp.info, stop.is_set)
+                    _put(q_read, Finished(tp, {key: digest}, {"action": "keep"}), stop)
                 else:
                     _put(q_read, _Read(tp, read_tensor(tp.info)), stop)
             _put(q_read, _END, stop)
@@ -178,9 +178,11 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             if delay:
                 time.sleep(delay)
     finally:
+        # Every thread must be gone before the caller closes the shards they write to;
+        # each notices `stop` within one chunk copy or one tensor's quantization.
         stop.set()
         for th in threads:
-            th.join(timeout=5)
+            th.join()
 
 
 def _write(tp: TensorPlan, q: QuantizedTensor, nonfinite: int, secs: float,

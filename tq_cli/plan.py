@@ -11,8 +11,10 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from tq_cli import __version__
-from tq_cli.errors import UnsupportedError
+from tq_cli.errors import RecipeError, UnsupportedError
 from tq_cli.io.manifest import FORMAT_VERSION
 from tq_cli.io.safetensors_reader import FLOAT_DTYPES, SourceModel, TensorInfo
 from tq_cli.io.writer import Layout, plan_layout
@@ -106,7 +108,13 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
                 f"{info.file.name}: tensor '{info.name}' has dtype {info.dtype}, which tq "
                 f"cannot quantize (only {', '.join(sorted(FLOAT_DTYPES))}); "
                 "add a keep rule for it to the recipe")
-        spec = rule.apply(quant)
+        try:
+            spec = rule.apply(quant)
+        except ValidationError as e:
+            msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+            raise RecipeError(
+                f"recipe '{recipe.name}': rule '{rule.pattern}' (matching '{info.name}') "
+                f"gives invalid settings: {msg}") from e
         rot = rotation
         if seeds and info.name in seeds:
             rot = RotationSpec(kind=rotation.kind, block=rotation.block, seed=seeds[info.name])

@@ -100,7 +100,7 @@ def resolve_recipe(name_or_path: str | None, config: dict | None) -> Recipe:
     builtins = builtin_recipes()
     if name_or_path is not None:
         p = Path(name_or_path)
-        if p.suffix == ".toml" or p.exists():
+        if p.suffix == ".toml" or p.is_file():
             if not p.is_file():
                 raise RecipeError(f"{p}: no such recipe file")
             return load_recipe(p)

@@ -49,10 +49,10 @@ class RotationMaterial(nn.Module):
         for name, (shape, dtype) in specs.items():
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
 
-    def material(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    def material(self) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.kind == "hadamard":
             return self.signs
-        return self.matrix, getattr(self, "tail", None)
+        return getattr(self, "matrix", None), getattr(self, "tail", None)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.rotate(x, self.material(), self.block)

@@ -38,6 +38,10 @@ def run_library(fn: Callable[[], T]) -> T:
         return fn()
     except TqError as e:
         raise fail(str(e)) from None
+    except OSError as e:  # disk full, permissions: name the file, no traceback
+        where = e.filename or "tq"
+        raise fail(f"{where}: {e.strerror or e}; free space or fix permissions, then rerun "
+                   "(convert: with --resume)") from None
     except KeyboardInterrupt:
         stderr.print("interrupted")
         raise typer.Exit(code=130) from None

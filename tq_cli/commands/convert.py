@@ -1,4 +1,4 @@
-"""`tq convert`: options -> ConvertSpec -> tq_cli.convert.convert, with progress and a table."""
+"""`tq convert`: options -> ConvertSpec -> tq_cli.converter.convert, with progress and a table."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.progress import TaskID
 from rich.table import Table
 
 from tq_cli.commands._common import emit_json, run_library, stderr, stdout, tensor_progress
-from tq_cli.convert import ConvertResult, ConvertSpec, convert
+from tq_cli.converter import ConvertResult, ConvertSpec, convert
 from tq_cli.pipeline import Finished
 from tq_cli.plan import Plan
 

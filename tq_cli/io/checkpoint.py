@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tq_cli.errors import CorruptFileError
+from tq_cli.errors import CorruptFileError, TqError
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.writer import file_sha256
 from tq_cli.quantizer import QuantizedTensor
@@ -60,9 +60,9 @@ class Checkpoint:
         return self._rotations[rid]
 
     def quantized(self, name: str) -> QuantizedTensor:
-        e = self.entries[name]
-        if e["action"] != "quantize":
-            raise KeyError(f"'{name}' was kept, not quantized")
+        e = self.entries.get(name)
+        if e is None or e["action"] != "quantize":
+            raise TqError(f"{self.folder}: tensor '{name}' is not a converted tensor here")
         rot_info = e["rotation"]
         out, n = e["shape"]
         rot = (self.rotation(rot_info["id"]) if rot_info["id"]

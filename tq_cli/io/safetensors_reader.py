@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,14 +142,12 @@ def read_header(path: Path) -> tuple[dict, int, bytes]:
 
 
 def _inside(folder: Path, rel: str) -> Path | None:
-    if os.path.isabs(rel):
+    """folder/rel if rel stays inside folder as written; symlinks are not resolved, since
+    a Hugging Face cache snapshot is a folder of links into its blobs/ folder."""
+    norm = os.path.normpath(rel)
+    if os.path.isabs(rel) or norm == ".." or norm.startswith(".." + os.sep):
         return None
-    p = (folder / rel).resolve()
-    try:
-        p.relative_to(folder.resolve())
-    except ValueError:
-        return None
-    return p
+    return folder / norm
 
 
 def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -207,7 +206,7 @@ def open_source(folder: Path) -> SourceModel:
             digest.update(os.pread(f.fileno(), 1 << 20, max(data_start, size - (1 << 20))))
         for tname, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if wmap is not None and wmap.get(tname) is not None and \
-                    _inside(folder, wmap[tname]) != path.resolve():
+                    _inside(folder, wmap[tname]) != path:
                 continue
             if tname in model.tensors:
                 raise CorruptFileError(
@@ -253,12 +252,19 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
 
 
-def copy_tensor_bytes(info: TensorInfo, dest_fd: int, dest_offset: int) -> str:
+class CopyInterrupted(Exception):
+    """A chunked copy was asked to stop before it finished."""
+
+
+def copy_tensor_bytes(info: TensorInfo, dest_fd: int, dest_offset: int,
+                      should_stop: Callable[[], bool] | None = None) -> str:
     """Copy a tensor's bytes verbatim into dest_fd at dest_offset, in chunks; sha256 of them."""
     h = hashlib.sha256()
     with open(info.file, "rb") as f:
         done = 0
         while done < info.nbytes:
+            if should_stop is not None and should_stop():
+                raise CopyInterrupted(info.name)
             chunk = os.pread(f.fileno(), min(COPY_CHUNK, info.nbytes - done), info.offset + done)
             if not chunk:
                 raise CorruptFileError(

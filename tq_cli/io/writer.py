@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,15 +116,17 @@ class ShardWriter:
         self.folder, self.layout = folder, layout
         self.fds: dict[str, int] = {}
 
-    def open(self, create: bool) -> None:
+    def open(self, create: bool = True) -> None:
+        """Open every shard; with create, also (re)write its header and set its size,
+        which leaves tensor bytes already in an existing shard where they are."""
         for name, raw in self.layout.headers.items():
             path = self.folder / name
             flags = os.O_RDWR | (os.O_CREAT if create else 0)
             fd = os.open(path, flags, 0o644)
+            self.fds[name] = fd
             if create:
                 os.ftruncate(fd, self.layout.shard_size(name))
                 os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
-            self.fds[name] = fd
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -145,10 +148,11 @@ class ShardWriter:
             done += os.pwrite(fd, data[done:], slot.offset + done)
         return hashlib.sha256(data).hexdigest()
 
-    def copy(self, key: str, info: TensorInfo) -> str:
+    def copy(self, key: str, info: TensorInfo,
+             should_stop: Callable[[], bool] | None = None) -> str:
         """Copy a source tensor's bytes verbatim into its slot."""
         slot = self.layout.slots[key]
-        return copy_tensor_bytes(info, self.fds[slot.shard], slot.offset)
+        return copy_tensor_bytes(info, self.fds[slot.shard], slot.offset, should_stop)
 
     def digest(self, key: str) -> str:
         """sha256 of the bytes now at a slot (what resume checks against the journal)."""
@@ -189,6 +193,12 @@ class Journal:
             except ValueError:
                 break  # a line cut by a kill: everything after it is redone
         return out
+
+    def rewrite(self, entries: list[dict]) -> None:
+        """Replace the journal atomically, e.g. with only the entries that verified."""
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(e) + "\n" for e in entries))
+        os.replace(tmp, self.path)
 
     def append(self, entry: dict) -> None:
         with open(self.path, "a") as f:

@@ -26,11 +26,11 @@ from tq_cli.errors import OutputError, UnsupportedError
 from tq_cli.io.manifest import MANIFEST, quantization_config, write_json
 from tq_cli.io.safetensors_reader import INDEX_NAME, OTHER_WEIGHT_SUFFIXES, open_source
 from tq_cli.io.source import resolve_source
-from tq_cli.io.writer import Journal, ShardWriter, file_sha256
+from tq_cli.io.writer import JOURNAL, Journal, ShardWriter, file_sha256
 from tq_cli.pipeline import Finished, stream
 from tq_cli.plan import FORMAT_VERSION, Plan, make_plan
 from tq_cli.recipe import resolve_recipe
-from tq_cli.rotation import Rotation, make_rotation
+from tq_cli.rotation import ROTATION_PREFIX, Rotation, make_rotation
 from tq_cli.spec import QuantSpec, RotationSpec
 
 PLAN_FILE = ".tq-plan.json"
@@ -120,14 +120,14 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
 
     folder = resolve_source(source)
     model = open_source(folder)
-    out = Path(out)
-    if out.exists() and not spec.overwrite:
-        raise OutputError(f"{out}: already exists; pass --overwrite to replace it "
-                          "(the old folder is kept until the new one is complete)")
-    if out.resolve() == folder.resolve() or folder.resolve() in out.resolve().parents:
-        raise OutputError(f"{out}: is inside the source folder {folder}; choose another OUT")
+    out = Path(out).expanduser()
+    _check_output(out, folder, spec.overwrite)
     recipe = resolve_recipe(spec.recipe, model.config)
     plan = make_plan(model, recipe, spec.quant, spec.rotation, spec.seeds, spec.max_shard_bytes)
+    if not plan.converted:
+        raise UnsupportedError(
+            f"{folder}: no tensor matches a quantize rule of recipe '{recipe.name}'; "
+            "pass --recipe with one that fits this model")
     device = resolve_device(spec.device)
     if on_plan:
         on_plan(plan)
@@ -150,15 +150,23 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
     elif spec.resume:
         warn(f"nothing to resume at {partial}; starting from the beginning")
     if fresh:
-        partial.mkdir(parents=True)
+        try:
+            partial.mkdir(parents=True)
+        except OSError as e:
+            raise OutputError(f"{partial}: cannot create the output folder ({e.strerror}); "
+                              "choose another OUT") from e
         write_json(partial / PLAN_FILE, {"plan_hash": plan_hash, "tq_version": __version__})
 
     writer = ShardWriter(partial, plan.layout)
-    writer.open(create=fresh)
     journal = Journal(partial)
+    try:
+        writer.open(create=True)  # on resume: headers and sizes rewritten, data kept
+    except OSError as e:
+        raise OutputError(f"{e.filename or partial}: cannot write ({e.strerror})") from e
     try:
         if not fresh:
             done = _verified(journal, writer)
+            journal.rewrite(list(done.values()))  # drop unverified and cut lines
         rotations = _write_rotations(plan, writer, journal, done)
         todo = [t for t in plan.tensors if t.info.name not in done]
         for fin in stream(todo, writer, rotations, device, spec.allow_nonfinite, warn):
@@ -173,6 +181,26 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
     result = _finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
                      max(resumed, 0), warnings)
     return result
+
+
+def _check_output(out: Path, source: Path, overwrite: bool) -> None:
+    """Refuse an OUT that would lose or corrupt anything the user has."""
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or src in dst.parents:
+        raise OutputError(f"{out}: is inside the source folder {source}; choose another OUT")
+    if dst in src.parents:
+        raise OutputError(f"{out}: contains the source folder {source}; choose another OUT")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise OutputError(f"{out}: already exists; pass --overwrite to replace it "
+                          "(the old folder is kept until the new one is complete)")
+    if out.is_symlink() or not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a folder; remove it or choose another OUT")
+    if any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise OutputError(f"{out}: exists and is not a tq checkpoint; --overwrite only "
+                          "replaces a tq checkpoint or an empty folder, so remove it by hand "
+                          "or choose another OUT")
 
 
 def _read_plan_hash(partial: Path) -> str | None:
@@ -199,7 +227,7 @@ def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
     for rid, rp in plan.rotations.items():
         rot = make_rotation(rp.spec, rp.n, rp.block)
         rotations[rid] = rot
-        name = f"tq.rotation.{rid}"
+        name = f"{ROTATION_PREFIX}{rid}"
         if name in done:
             continue
         digests = {key: writer.write(key, t) for key, t in rot.tensors().items()}
@@ -287,7 +315,14 @@ def _finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: C
     write_json(partial / "config.json", config)
     _copy_other_files(plan.source.folder, partial)
     (partial / "README.md").write_text(render_card(manifest))
-    for name in (PLAN_FILE, ".tq-journal.jsonl"):
+    for path in partial.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for name in (PLAN_FILE, JOURNAL):
         (partial / name).unlink(missing_ok=True)
     _swap_into_place(partial, out)
     return result
