@@ -9,6 +9,7 @@ import typer
 
 from tq_cli import __version__
 from tq_cli.commands import convert as convert_cmd
+from tq_cli.commands import eval as eval_cmd
 
 app = typer.Typer(
     name="tq",
@@ -18,6 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command(name="convert", help=convert_cmd.HELP, epilog=convert_cmd.EPILOG)(convert_cmd.main)
+app.command(name="eval", help=eval_cmd.HELP, epilog=eval_cmd.EPILOG)(eval_cmd.main)
 
 
 def _version(value: bool) -> None:

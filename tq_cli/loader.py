@@ -27,8 +27,17 @@ from tq_cli.tq_linear import TQLinear
 log = logging.getLogger("tq")
 
 
-def _model_class(config: dict) -> Any:
+def quiet_transformers() -> None:
+    """tq draws its own progress on stderr; transformers' per-load bars only add noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def model_class(config: dict) -> Any:
     import transformers
+
+    quiet_transformers()
 
     for arch in config.get("architectures") or []:
         cls = getattr(transformers, arch, None)
@@ -75,7 +84,7 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
     import json
 
     config = json.loads((folder / "config.json").read_text())
-    cls = _model_class(config)
+    cls = model_class(config)
     model = cls.from_pretrained(folder, dtype=dtype)
     model = model.to(dev).eval()
     leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
