@@ -141,18 +141,26 @@ def _run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.P
                             stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
-def test_kill_mid_way_then_resume(tiny_llama: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    args = ["convert", str(tiny_llama), "-o", str(out), "--group-size", "64", "--json"]
-    proc = _run_cli(args, {"TQ_DEBUG_TENSOR_DELAY": "0.3"})
-    journal = partial_path(out) / ".tq-journal.jsonl"
+def _kill_after(tiny_llama: Path, out: Path, lines: int) -> Path:
+    """Start a slowed conversion, SIGKILL it once `lines` journal lines exist; the journal."""
+    from tq_cli.io.writer import JOURNAL
+
+    proc = _run_cli(["convert", str(tiny_llama), "-o", str(out), "--group-size", "64"],
+                    {"TQ_DEBUG_TENSOR_DELAY": "0.3"})
+    journal = partial_path(out) / JOURNAL
     deadline = time.time() + 120
-    while time.time() < deadline:
-        if journal.exists() and len(journal.read_text().splitlines()) >= 6:
-            break
+    while not (journal.exists() and len(journal.read_text().splitlines()) >= lines):
+        assert time.time() < deadline and proc.poll() is None, "conversion did not start"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    return journal
+
+
+def test_kill_mid_way_then_resume(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["convert", str(tiny_llama), "-o", str(out), "--group-size", "64", "--json"]
+    _kill_after(tiny_llama, out, 6)
     assert not out.exists(), "an interrupted conversion must not look complete"
     assert partial_path(out).exists()
 
@@ -187,17 +195,8 @@ def test_resume_redoes_damaged_tensors(tiny_llama: Path, tmp_path: Path) -> None
     spec = ConvertSpec(quant=QuantSpec(group_size=64))
     convert(tiny_llama, tmp_path / "ref", spec)
     # Build a partial by hand: run, then restore the hidden folder state.
-    from tq_cli.io.writer import JOURNAL
 
-    proc = _run_cli(["convert", str(tiny_llama), "-o", str(out), "--group-size", "64"],
-                    {"TQ_DEBUG_TENSOR_DELAY": "0.3"})
-    journal = partial_path(out) / JOURNAL
-    deadline = time.time() + 120
-    while not (journal.exists() and len(journal.read_text().splitlines()) >= 4):
-        assert time.time() < deadline and proc.poll() is None, "conversion did not start"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    journal = _kill_after(tiny_llama, out, 4)
     # Damage one finished tensor's bytes: resume must notice and redo it.
     entries = [json.loads(line) for line in journal.read_text().splitlines()]
     finished = [e for e in entries if not e["tensor"].startswith("tq.rotation.")]
@@ -223,20 +222,11 @@ def test_resume_redoes_damaged_tensors(tiny_llama: Path, tmp_path: Path) -> None
 
 
 def test_resume_survives_a_cut_journal_line(tiny_llama: Path, tmp_path: Path) -> None:
-    from tq_cli.io.writer import JOURNAL
 
     out = tmp_path / "out"
     spec = ConvertSpec(quant=QuantSpec(group_size=64))
     convert(tiny_llama, tmp_path / "ref", spec)
-    proc = _run_cli(["convert", str(tiny_llama), "-o", str(out), "--group-size", "64"],
-                    {"TQ_DEBUG_TENSOR_DELAY": "0.3"})
-    journal = partial_path(out) / JOURNAL
-    deadline = time.time() + 120
-    while not (journal.exists() and len(journal.read_text().splitlines()) >= 5):
-        assert time.time() < deadline and proc.poll() is None
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    journal = _kill_after(tiny_llama, out, 5)
     with open(journal, "a") as f:
         f.write('{"tensor": "model.layers.1.ml')  # a line cut by the kill
     first = convert(tiny_llama, out, spec.model_copy(update={"resume": True}))
