@@ -14,7 +14,7 @@ CPU_TORCH ?= 2.13.0
 TORCH_INDEX ?=
 DEMO_OUT ?= $(HOME)/.cache/tq/demo/SmolLM2-135M-Instruct-tq4
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench bench-quick clean
 
 install: $(VENV)/.installed
 
@@ -40,7 +40,10 @@ lint: install
 	$(VENV)/bin/mypy tq_cli kernels
 
 bench: install
-	$(PY) scripts/bench_convert.py
+	$(VENV)/bin/tq bench
+
+bench-quick: install
+	$(VENV)/bin/tq bench --quick --baseline bench/baseline-cpu.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

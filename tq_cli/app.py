@@ -8,6 +8,7 @@ from __future__ import annotations
 import typer
 
 from tq_cli import __version__
+from tq_cli.commands import bench as bench_cmd
 from tq_cli.commands import convert as convert_cmd
 from tq_cli.commands import eval as eval_cmd
 
@@ -20,6 +21,7 @@ app = typer.Typer(
 )
 app.command(name="convert", help=convert_cmd.HELP, epilog=convert_cmd.EPILOG)(convert_cmd.main)
 app.command(name="eval", help=eval_cmd.HELP, epilog=eval_cmd.EPILOG)(eval_cmd.main)
+app.command(name="bench", help=bench_cmd.HELP, epilog=bench_cmd.EPILOG)(bench_cmd.main)
 
 
 def _version(value: bool) -> None:

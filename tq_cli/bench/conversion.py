@@ -1,0 +1,116 @@
+"""Conversion throughput against a plain safetensors read + write of the same bytes.
+
+A synthetic Llama-shaped model (random bf16 weights, real layer shapes) is written to a
+scratch folder, converted by `tq convert` in a child process (so its peak RSS is the
+conversion's alone, read from the kernel's rusage), and copied with
+`safetensors.torch.load_file`/`save_file` before and after; the gated number is the
+ratio convert seconds / copy seconds from the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tq_cli.bench.metrics import Metric
+from tq_cli.errors import TqError
+from tq_cli.synthetic import write_synthetic_llama
+
+QUICK_MODEL = {"hidden": 768, "intermediate": 2048, "layers": 2, "heads": 12, "kv_heads": 4,
+               "vocab": 8192}
+FULL_MODEL = {"hidden": 2048, "intermediate": 8192, "layers": 2, "heads": 32, "kv_heads": 8,
+              "vocab": 32000}
+
+
+class BenchChildError(TqError):
+    """The child `tq convert` of the benchmark failed."""
+
+
+def copy_seconds(src: Path, scratch: Path, min_s: float = 0.5) -> float:
+    """Fastest of repeated load_file + save_file passes over every shard, repeated for at
+    least `min_s`: a small model copies in milliseconds, too short to time once, and
+    interference from elsewhere only ever adds time."""
+    from safetensors.torch import load_file, save_file
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - start < min_s:
+        t = time.perf_counter()
+        for shard in sorted(src.glob("*.safetensors")):
+            save_file(load_file(shard), scratch / shard.name)
+        times.append(time.perf_counter() - t)
+        for p in scratch.glob("*.safetensors"):
+            p.unlink()
+    return min(times)
+
+
+def convert_in_child(src: Path, out: Path, bits: int, device: torch.device,
+                     ) -> tuple[dict[str, Any], int]:
+    """Run `tq convert --json` in a child; returns its summary and peak RSS in bytes."""
+    cmd = [sys.executable, "-m", "tq_cli", "convert", str(src), "-o", str(out),
+           "--bits", str(bits), "--device", device.type, "--json", "--overwrite"]
+    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+        proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        so.seek(0)
+        se.seek(0)
+        stdout, stderr = so.read(), se.read()
+    if proc.returncode != 0:
+        last = stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise BenchChildError(f"tq convert {src} failed in the benchmark "
+                              f"(exit {proc.returncode}): {last[0]}")
+    return json.loads(stdout), usage.ru_maxrss * 1024
+
+
+def run(device: torch.device, quick: bool, scratch: Path, bits: int = 4,
+        progress: Callable[[str], None] | None = None,
+        ) -> tuple[list[dict[str, Any]], dict[str, Metric]]:
+    tag, shape = ("quick", QUICK_MODEL) if quick else ("full", FULL_MODEL)
+    src = scratch / f"synthetic-llama-{tag}"
+    if progress:
+        progress(f"conversion: writing a synthetic {tag} model")
+    if not (src / "config.json").exists():
+        write_synthetic_llama(src, hidden=shape["hidden"], intermediate=shape["intermediate"],
+                              layers=shape["layers"], heads=shape["heads"],
+                              kv_heads=shape["kv_heads"], vocab=shape["vocab"])
+    copy_dir = scratch / "copy"
+    if progress:
+        progress("conversion: plain safetensors copy")
+    c1 = copy_seconds(src, copy_dir)
+    if progress:
+        progress(f"conversion: tq convert --bits {bits} ({device.type})")
+    summary, rss = convert_in_child(src, scratch / f"{src.name}-tq{bits}", bits, device)
+    if progress:
+        progress("conversion: plain safetensors copy again")
+    c2 = copy_seconds(src, copy_dir)
+    copy = min(c1, c2)
+    source_mb = summary["source_bytes"] / 1e6
+    row = {
+        "model": f"llama-{tag} {shape['layers']}L h{shape['hidden']} bf16",
+        "source_mb": source_mb, "bits": bits, "device": device.type,
+        "convert_s": summary["seconds"], "copy_s": copy, "copy_runs_s": [c1, c2],
+        "convert_mb_s": source_mb / summary["seconds"], "copy_mb_s": source_mb / copy,
+        "convert_over_copy": summary["seconds"] / copy, "peak_rss_mb": rss / 1e6,
+        "bits_per_weight": summary["bits_per_weight"],
+        "mean_rel_error": summary["mean_rel_error"],
+    }
+    key = f"convert.{device.type}.{tag}.{bits}bit"
+    metrics = {
+        f"{key}.convert_over_copy": Metric(row["convert_over_copy"], "speed"),
+        f"{key}.peak_rss_mb": Metric(row["peak_rss_mb"], "memory", unit="MB"),
+        f"{key}.convert_mb_s": Metric(row["convert_mb_s"], "info", "higher", "MB/s"),
+        f"{key}.bits_per_weight": Metric(row["bits_per_weight"], "quality"),
+        f"{key}.mean_rel_error": Metric(row["mean_rel_error"], "quality"),
+    }
+    return [row], metrics

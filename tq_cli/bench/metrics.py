@@ -1,0 +1,140 @@
+"""Benchmark metrics, their comparison with a baseline, and the environment record.
+
+Every gated number is a `Metric` with a direction. Quality metrics are deterministic
+(fixed seeds), so they are gated tightly; speed and memory metrics are ratios measured
+in the same run (tq against torch, convert against a plain copy) or peak memory, and
+are gated loosely, and only against a baseline from the same kind of device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from tq_cli import __version__
+from tq_cli.errors import TqError
+
+Kind = Literal["quality", "speed", "memory", "info"]  # info: reported, never gated
+
+
+class BaselineError(TqError):
+    """A baseline file is missing, damaged or has nothing in common with this run."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    value: float
+    kind: Kind
+    better: Literal["lower", "higher"] = "lower"
+    unit: str = ""
+
+
+@dataclass(frozen=True)
+class Regression:
+    name: str
+    baseline: float
+    value: float
+    change: float  # fraction worse than the baseline (0.1 = 10% worse)
+    limit: float
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.value:.6g} vs baseline {self.baseline:.6g} "
+                f"({self.change:+.1%} worse, limit {self.limit:.1%})")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    compared: int
+    skipped: list[str]  # why some baseline metrics were not compared
+    regressions: list[Regression]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compared": self.compared, "skipped": self.skipped,
+                "regressions": [asdict(r) for r in self.regressions]}
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def worse_by(metric: Metric, baseline: float) -> float:
+    """How much worse `metric` is than `baseline`, as a fraction (negative = better)."""
+    if baseline == 0:
+        return 0.0 if metric.value == 0 else float("inf")
+    if metric.better == "lower":
+        return (metric.value - baseline) / abs(baseline)
+    return (baseline - metric.value) / abs(baseline)
+
+
+def compare(current: dict[str, Metric], current_device: str, baseline: dict[str, Any],
+            max_regression: float, max_slowdown: float) -> Comparison:
+    """Gate `current` against a baseline result (the JSON `tq bench --json` writes).
+
+    Quality metrics use `max_regression`; speed and memory use `max_slowdown` and are
+    only compared when the baseline ran on the same kind of device (cpu vs cuda).
+    """
+    try:
+        base_metrics = baseline["metrics"]
+        base_device = baseline["environment"]["device_type"]
+    except (KeyError, TypeError) as e:
+        raise BaselineError(f"baseline has no {e}; write one with tq bench --json FILE") from e
+    skipped: list[str] = []
+    regressions: list[Regression] = []
+    compared = 0
+    for name, entry in sorted(base_metrics.items()):
+        cur = current.get(name)
+        if entry.get("kind") == "info" or (cur is not None and cur.kind == "info"):
+            continue
+        if cur is None:
+            skipped.append(f"{name}: not measured in this run")
+            continue
+        if cur.kind != "quality" and base_device != current_device:
+            skipped.append(f"{name}: baseline ran on {base_device}, this run on "
+                           f"{current_device}")
+            continue
+        limit = max_regression if cur.kind == "quality" else max_slowdown
+        change = worse_by(cur, float(entry["value"]))
+        compared += 1
+        if change > limit:
+            regressions.append(Regression(name, float(entry["value"]), cur.value, change, limit))
+    if compared == 0:
+        raise BaselineError("the baseline shares no metric with this run (was it made with "
+                            "another tq version or --quick setting?); regenerate it with "
+                            "tq bench --json FILE")
+    return Comparison(compared, skipped, regressions)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    env: dict[str, Any] = {
+        "tq": __version__, "torch": torch.__version__, "python": platform.python_version(),
+        "platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "device_type": device.type,
+        "cuda": torch.version.cuda, "triton": None, "device_name": platform.processor() or "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:  # not installed or broken: recorded as None
+        pass
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["device_name"] = props.name
+        env["memory_bandwidth_gb_s"] = memory_bandwidth_gb_s(device)
+    return env
+
+
+def memory_bandwidth_gb_s(device: torch.device) -> float | None:
+    """Theoretical DRAM bandwidth from the device properties, when torch exposes them."""
+    props = torch.cuda.get_device_properties(device)
+    clock_khz = getattr(props, "memory_clock_rate", None)
+    bus_bits = getattr(props, "memory_bus_width", None)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # double data rate

@@ -1,0 +1,166 @@
+"""`tq bench`: measure quality per bit, kernels and conversion; gate against a baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tq_cli.commands._common import emit_json, fail, run_library, stderr
+
+# Tables are wide; a log file or pipe gets them whole instead of at 80 columns.
+stdout = Console(width=None if Console().is_terminal else 140)
+
+HELP = "Benchmark quality per bit, kernels and conversion; gate regressions against a baseline."
+EPILOG = """Sections: quality (reconstruction error of fixed-seed matrices at 2, 3, 4 bits per
+rotation: deterministic, gated by --max-regression), kernels (tq matmul and rotation
+against torch.nn.functional.linear in the same run) and conversion (tq convert against a
+plain safetensors read+write of the same synthetic model, and its peak RSS). Timings are
+compared as ratios from the same run, gated by --max-slowdown, and only against a
+baseline from the same kind of device.
+
+Exit codes: 0 ok, 1 error, 2 usage error, 3 a metric regressed beyond its limit.
+
+Examples:
+
+  tq bench --quick --baseline bench/baseline-cpu.json        (what CI runs)
+
+  tq bench --json result.json                                 (full run; a new baseline)
+"""
+
+REGRESSED = 3
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+HEADERS = {
+    "group_size": "group", "rel_error": "rel. error", "bits_per_weight": "bits/w",
+    "tq_matmul_us": "tq µs", "tq_rotate_us": "rot µs", "torch_linear_us": "torch µs",
+    "matmul_over_torch": "tq/torch", "with_rotation_over_torch": "+rot/torch",
+    "tq_gb_s": "tq GB/s", "torch_gb_s": "torch GB/s", "tq_bandwidth_fraction": "of peak",
+    "source_mb": "MB", "convert_s": "convert s", "copy_s": "copy s",
+    "convert_over_copy": "convert/copy", "convert_mb_s": "MB/s", "peak_rss_mb": "peak RSS MB",
+}
+TEXT_COLUMNS = ("matrix", "method", "rotation", "shape", "model", "backend")
+
+
+def _table(title: str, rows: list[dict[str, Any]], cols: list[str],
+           caption: str | None = None) -> Table:
+    table = Table(title=title, caption=caption)
+    for c in cols:
+        table.add_column(HEADERS.get(c, c), no_wrap=True,
+                         justify="left" if c in TEXT_COLUMNS else "right")
+    for r in rows:
+        table.add_row(*(_fmt(r.get(c, "")) for c in cols))
+    return table
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    s = result["sections"]
+    if "quality" in s:
+        stdout.print(_table("Quality per bit (relative reconstruction error, lower is better)",
+                            s["quality"], ["matrix", "method", "rotation", "bits",
+                                           "group_size", "rel_error", "bits_per_weight"],
+                            "512x1536 fixed-seed matrices; bits/w charges the rotation "
+                            "material to this one matrix (a model shares it per width)"))
+    if s.get("kernels"):
+        backend = s["kernels"][0]["backend"]
+        cols = ["shape", "batch", "tq_matmul_us", "tq_rotate_us", "torch_linear_us",
+                "matmul_over_torch", "with_rotation_over_torch", "tq_gb_s", "torch_gb_s"]
+        if "tq_bandwidth_fraction" in s["kernels"][0]:
+            cols.append("tq_bandwidth_fraction")
+        stdout.print(_table(f"Kernels: {backend} vs F.linear {s['kernels'][0]['torch_dtype']}",
+                            s["kernels"], cols, "medians; random 4-bit codes; GB/s of weight "
+                            "bytes read"))
+    if "conversion" in s:
+        stdout.print(_table("Conversion vs safetensors load_file+save_file", s["conversion"],
+                            ["model", "source_mb", "convert_s", "copy_s", "convert_over_copy",
+                             "convert_mb_s", "peak_rss_mb", "bits_per_weight"]))
+    env = result["environment"]
+    stdout.print(f"{result['mode']} run in {result['seconds']:.1f} s on {env['device_name']} "
+                 f"({env['device_type']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
+                 f"triton {env['triton']}, CUDA {env['cuda']})", highlight=False)
+
+
+def _read_baseline(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise fail(f"{path}: no such baseline; write one with tq bench --json {path}") from None
+    except ValueError:
+        raise fail(f"{path}: not a tq bench JSON result; regenerate it with "
+                   f"tq bench --json {path}") from None
+    if not isinstance(data, dict) or "metrics" not in data:
+        raise fail(f"{path}: not a tq bench JSON result (no 'metrics'); regenerate it with "
+                   f"tq bench --json {path}")
+    return data
+
+
+def main(
+    quick: bool = typer.Option(False, "--quick", help="CI-sized run (under 2 minutes on "
+                                                     "2 CPU cores)."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the result as JSON to "
+                                         "FILE ('-' for stdout); it can be the next baseline."),
+    baseline: Path | None = typer.Option(None, "--baseline", help="Compare with this JSON "
+                                         "result; exit 3 naming each regressed metric."),
+    max_regression: float = typer.Option(0.01, "--max-regression", min=0.0,
+                                         help="Allowed fractional worsening of a quality "
+                                              "metric."),
+    max_slowdown: float = typer.Option(0.5, "--max-slowdown", min=0.0,
+                                       help="Allowed fractional worsening of a timing ratio "
+                                            "or of peak memory."),
+    section: list[str] = typer.Option([], "--section", help="quality | kernels | conversion "
+                                      "(repeatable; default all)."),
+    scratch: Path | None = typer.Option(None, "--scratch", help="Folder for the synthetic "
+                                        "model (kept between runs); default a temp folder."),
+) -> None:
+    from tq_cli.bench import SECTIONS, BenchSpec, run_bench
+    from tq_cli.converter import resolve_device
+
+    if device not in ("auto", "cpu", "cuda"):
+        stderr.print(f"[bold red]usage error:[/] --device: '{device}' is not auto, cpu or cuda")
+        raise typer.Exit(code=2)
+    bad = [s for s in section if s not in SECTIONS]
+    if bad:
+        stderr.print(f"[bold red]usage error:[/] --section: '{bad[0]}' is not one of "
+                     f"{', '.join(SECTIONS)}")
+        raise typer.Exit(code=2)
+    base = _read_baseline(baseline) if baseline is not None else None
+    dev = run_library(lambda: resolve_device(device))  # type: ignore[arg-type]
+    spec = BenchSpec(quick=quick, device=dev, sections=tuple(section) or SECTIONS,
+                     scratch=scratch)
+    with stderr.status("benchmark") as status:
+        result = run_library(lambda: run_bench(
+            spec, progress=lambda msg: status.update(msg)))
+    if base is not None:
+        run_library(lambda: result.gate(base, max_regression, max_slowdown))
+    data = result.to_dict()
+    if json_out is not None and str(json_out) == "-":
+        emit_json(data)
+    else:
+        print_tables(data)
+        if json_out is not None:
+            run_library(lambda: json_out.write_text(json.dumps(data, indent=2) + "\n"))
+    cmp = result.comparison
+    if cmp is None:
+        return
+    where = f"against {baseline}: {cmp.compared} metrics compared"
+    if cmp.skipped:
+        where += f", {len(cmp.skipped)} skipped ({cmp.skipped[0]}"
+        where += ", ...)" if len(cmp.skipped) > 1 else ")"
+    if cmp.regressions:
+        for r in cmp.regressions:
+            stderr.print(f"[bold red]regression:[/] {r.describe()}", highlight=False,
+                         soft_wrap=True)
+        stderr.print(f"{len(cmp.regressions)} regressed {where}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=REGRESSED)
+    stderr.print(f"no regression {where}", highlight=False, soft_wrap=True)
