@@ -2,4 +2,5 @@
 
 from tq_cli.app import main
 
-main()
+if __name__ == "__main__":  # not when a spawned worker imports this module
+    main()

@@ -11,6 +11,7 @@ from tq_cli import __version__
 from tq_cli.commands import bench as bench_cmd
 from tq_cli.commands import convert as convert_cmd
 from tq_cli.commands import eval as eval_cmd
+from tq_cli.commands import search_seed as search_seed_cmd
 
 app = typer.Typer(
     name="tq",
@@ -21,6 +22,8 @@ app = typer.Typer(
 )
 app.command(name="convert", help=convert_cmd.HELP, epilog=convert_cmd.EPILOG)(convert_cmd.main)
 app.command(name="eval", help=eval_cmd.HELP, epilog=eval_cmd.EPILOG)(eval_cmd.main)
+app.command(name="search-seed", help=search_seed_cmd.HELP,
+            epilog=search_seed_cmd.EPILOG)(search_seed_cmd.main)
 app.command(name="bench", help=bench_cmd.HELP, epilog=bench_cmd.EPILOG)(bench_cmd.main)
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,6 +51,8 @@ class ConvertSpec(BaseModel):
     resume: bool = False
     max_shard_bytes: int = Field(2 * 1024**3, ge=1)
     seeds: dict[str, int] | None = None
+    seeds_file: str | None = Field(None, description="a tq search-seed result: per-tensor "
+                                   "rotation seeds (overrides `seeds`)")
 
 
 @dataclass
@@ -123,7 +125,12 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
     out = Path(out).expanduser()
     _check_output(out, folder, spec.overwrite)
     recipe = resolve_recipe(spec.recipe, model.config)
-    plan = make_plan(model, recipe, spec.quant, spec.rotation, spec.seeds, spec.max_shard_bytes)
+    seeds, seeds_record = spec.seeds, None
+    if spec.seeds_file is not None:
+        from tq_cli.seedsearch import read_seeds
+
+        seeds, seeds_record = read_seeds(spec.seeds_file, model, spec.rotation)
+    plan = make_plan(model, recipe, spec.quant, spec.rotation, seeds, spec.max_shard_bytes)
     if not plan.converted:
         raise UnsupportedError(
             f"{folder}: no tensor matches a quantize rule of recipe '{recipe.name}'; "
@@ -179,7 +186,7 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
         writer.close()
     resumed = sum(1 for t in plan.tensors if t.info.name in done) - len(todo)
     result = _finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
-                     max(resumed, 0), warnings)
+                     max(resumed, 0), warnings, {"seeds": seeds_record} if seeds_record else {})
     return result
 
 
@@ -239,7 +246,7 @@ def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
 
 def _finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: ConvertSpec,
             device: torch.device, seconds: float, resumed: int,
-            warnings: list[str]) -> ConvertResult:
+            warnings: list[str], provenance: dict[str, Any]) -> ConvertResult:
     """Manifest, index, config, copied files and card; then rename into place."""
     shard_sha = {name: file_sha256(partial / name) for name in plan.layout.shards}
     rot_bytes = {rid: sum(plan.layout.slots[k].nbytes for k, _, _ in rp.keys)
@@ -302,7 +309,7 @@ def _finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: C
         | {"nonfinite_values": nonfinite_total},
         "tensors": tensors,
         "shards": shard_sha,
-    }
+    } | provenance
     write_json(partial / MANIFEST, manifest)
     index = {"metadata": {"total_size": sum(s.nbytes for s in plan.layout.slots.values()),
                           "format": "tq", "tq_format_version": FORMAT_VERSION},

@@ -66,6 +66,8 @@ def main(
     rotation_block: int | None = typer.Option(None, "--rotation-block",
                                               help="Rotation block size (default: group size)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the rotation."),
+    seeds: Path | None = typer.Option(None, "--seeds", help="Per-tensor rotation seeds from "
+                                      "tq search-seed (recorded in the manifest)."),
     codebook: str = typer.Option("lloyd-max", "--codebook", help="lloyd-max | uniform."),
     outliers: float = typer.Option(0.001, "--outliers",
                                    help="Fraction of weights kept exactly (0.001 = 0.1%)."),
@@ -98,6 +100,7 @@ def main(
             "rotation": {"kind": rotation, "block": rotation_block, "seed": seed},
             "recipe": recipe, "device": device, "allow_nonfinite": allow_nonfinite,
             "overwrite": overwrite, "resume": resume, "max_shard_bytes": parse_size(shard_size),
+            "seeds_file": str(seeds) if seeds is not None else None,
         })
     except ValidationError as e:
         err = e.errors()[0]
