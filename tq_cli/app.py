@@ -9,6 +9,7 @@ import typer
 
 from tq_cli import __version__
 from tq_cli.commands import bench as bench_cmd
+from tq_cli.commands import calibrate as calibrate_cmd
 from tq_cli.commands import convert as convert_cmd
 from tq_cli.commands import eval as eval_cmd
 from tq_cli.commands import search_seed as search_seed_cmd
@@ -22,6 +23,8 @@ app = typer.Typer(
 )
 app.command(name="convert", help=convert_cmd.HELP, epilog=convert_cmd.EPILOG)(convert_cmd.main)
 app.command(name="eval", help=eval_cmd.HELP, epilog=eval_cmd.EPILOG)(eval_cmd.main)
+app.command(name="calibrate", help=calibrate_cmd.HELP,
+            epilog=calibrate_cmd.EPILOG)(calibrate_cmd.main)
 app.command(name="search-seed", help=search_seed_cmd.HELP,
             epilog=search_seed_cmd.EPILOG)(search_seed_cmd.main)
 app.command(name="bench", help=bench_cmd.HELP, epilog=bench_cmd.EPILOG)(bench_cmd.main)

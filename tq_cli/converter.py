@@ -18,13 +18,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tq_cli import __version__
+from tq_cli.calibrated import CalibOptions
 from tq_cli.card import render_card
 from tq_cli.errors import OutputError, UnsupportedError
 from tq_cli.io.manifest import MANIFEST, quantization_config, write_json
-from tq_cli.io.safetensors_reader import INDEX_NAME, OTHER_WEIGHT_SUFFIXES, open_source
+from tq_cli.io.safetensors_reader import (
+    INDEX_NAME,
+    OTHER_WEIGHT_SUFFIXES,
+    SourceModel,
+    open_source,
+)
 from tq_cli.io.source import resolve_source
 from tq_cli.io.writer import JOURNAL, Journal, ShardWriter, file_sha256
 from tq_cli.pipeline import Finished, stream
@@ -53,6 +59,25 @@ class ConvertSpec(BaseModel):
     seeds: dict[str, int] | None = None
     seeds_file: str | None = Field(None, description="a tq search-seed result: per-tensor "
                                    "rotation seeds (overrides `seeds`)")
+    calib: str | None = Field(None, description="a tq calibrate file: GPTQ-style error "
+                              "feedback in the rotated space")
+    damp: float = Field(0.01, gt=0.0, le=1.0, description="GPTQ damping, a fraction of the "
+                        "mean diagonal of H")
+    act_order: bool = False
+    target_bits: float | None = Field(None, gt=1.0, le=8.5, description="mixed precision: "
+                                      "average bits per weight to reach")
+    bit_choices: tuple[int, ...] = (2, 3, 4)
+
+    @model_validator(mode="after")
+    def _check_mixed(self) -> ConvertSpec:
+        bad = [b for b in self.bit_choices if b not in (2, 3, 4, 8)]
+        if bad:
+            raise ValueError(f"bit choices must be among 2, 3, 4, 8, got {bad[0]}")
+        if not self.bit_choices:
+            raise ValueError("bit choices are empty")
+        if self.act_order and self.calib is None:
+            raise ValueError("act_order needs a calibration file (--calib)")
+        return self
 
 
 @dataclass
@@ -71,9 +96,16 @@ class ConvertResult:
     resumed_tensors: int = 0
     device: str = "cpu"
     warnings: list[str] = field(default_factory=list)
+    calibrated_tensors: int | None = None  # with --calib: how many used it (others fell back)
+    mixed: dict | None = None  # with --target-bits: the allocation
 
     def summary(self) -> dict:
-        return {
+        extra: dict = {}
+        if self.calibrated_tensors is not None:
+            extra["calibrated_tensors"] = self.calibrated_tensors
+        if self.mixed is not None:
+            extra["mixed_precision"] = self.mixed
+        return extra | {
             "out": str(self.out),
             "tensors_converted": self.tensors_converted,
             "tensors_kept": self.tensors_kept,
@@ -136,6 +168,26 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
             f"{folder}: no tensor matches a quantize rule of recipe '{recipe.name}'; "
             "pass --recipe with one that fits this model")
     device = resolve_device(spec.device)
+    calib = _calibration(spec, model)
+    provenance: dict[str, Any] = {"seeds": seeds_record} if seeds_record else {}
+    if calib is not None:
+        provenance["calibration"] = {
+            "file": calib.calibration.path.name, "sha256": calib.calibration.sha256,
+            "damp": spec.damp, "act_order": spec.act_order,
+            "samples": calib.calibration.meta.get("samples"),
+            "seqlen": calib.calibration.meta.get("seqlen"),
+            "tokens": calib.calibration.meta.get("tokens")}
+    if spec.target_bits is not None:
+        from tq_cli.mixed import choose_bits
+
+        if log:
+            log(f"--target-bits {spec.target_bits:g}: measuring every tensor at "
+                f"{', '.join(map(str, spec.bit_choices))} bits first")
+        mixed = choose_bits(plan, spec.target_bits, spec.bit_choices, device, calib)
+        plan = make_plan(model, recipe, spec.quant, spec.rotation, seeds, spec.max_shard_bytes,
+                         bits=mixed.bits)
+        provenance["mixed_precision"] = mixed.record
+    plan.extra = {k: v for k, v in provenance.items() if k != "seeds"}
     if on_plan:
         on_plan(plan)
 
@@ -176,7 +228,7 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
             journal.rewrite(list(done.values()))  # drop unverified and cut lines
         rotations = _write_rotations(plan, writer, journal, done)
         todo = [t for t in plan.tensors if t.info.name not in done]
-        for fin in stream(todo, writer, rotations, device, spec.allow_nonfinite, warn):
+        for fin in stream(todo, writer, rotations, device, spec.allow_nonfinite, warn, calib):
             entry = {"tensor": fin.plan.info.name, "digests": fin.digests, "record": fin.record}
             journal.append(entry)
             done[fin.plan.info.name] = entry
@@ -186,8 +238,18 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
         writer.close()
     resumed = sum(1 for t in plan.tensors if t.info.name in done) - len(todo)
     result = _finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
-                     max(resumed, 0), warnings, {"seeds": seeds_record} if seeds_record else {})
+                     max(resumed, 0), warnings, provenance)
     return result
+
+
+def _calibration(spec: ConvertSpec, model: SourceModel) -> CalibOptions | None:
+    if spec.calib is None:
+        return None
+    from tq_cli.io.calibration import read_calibration
+
+    calibration = read_calibration(spec.calib)
+    calibration.check_source(model)
+    return CalibOptions(calibration, spec.damp, spec.act_order)
 
 
 def _check_output(out: Path, source: Path, overwrite: bool) -> None:
@@ -279,7 +341,8 @@ def _finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: C
                 "bytes": rec["nbytes"], "rotation_bytes_share": share,
                 "bits_per_weight": bpw, "rel_error": rec["rel_error"],
                 "nonfinite": rec.get("nonfinite", 0),
-            })
+            } | {k: rec[k] for k in ("calibrated", "weighted_rel_error", "fallback")
+                 if k in rec})
         else:
             entry["bytes"] = tp.info.nbytes
         tensors.append(entry)
@@ -291,7 +354,10 @@ def _finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: C
         mean_rel_error=sum(errors) / len(errors) if errors else 0.0,
         max_rel_error=max(errors) if errors else 0.0,
         seconds=seconds, source_bytes=plan.source.total_bytes, output_bytes=output_bytes,
-        resumed_tensors=resumed, device=str(device), warnings=warnings)
+        resumed_tensors=resumed, device=str(device), warnings=warnings,
+        calibrated_tensors=sum(1 for t in tensors if t.get("calibrated"))
+        if "calibration" in provenance else None,
+        mixed=provenance.get("mixed_precision"))
     kept_modules = sorted({t.info.name.rsplit(".", 1)[0] for t in plan.tensors
                            if t.action == "keep" and t.info.name.endswith(".weight")})
     manifest: dict = {

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tq_cli.calibrated import CalibOptions, quantize_tensor
 from tq_cli.errors import NonFiniteError
 from tq_cli.io.safetensors_reader import read_tensor
 from tq_cli.io.writer import ShardWriter
 from tq_cli.plan import TensorPlan
-from tq_cli.quantizer import QuantizedTensor, quantize_rotated
+from tq_cli.quantizer import QuantizedTensor
 from tq_cli.rotation import Rotation
 
 
@@ -56,6 +57,7 @@ class _Quantized:
     q: QuantizedTensor
     nonfinite: int
     seconds: float
+    extra: dict = field(default_factory=dict)  # calibration fields for the manifest
 
 
 class _Stop(Exception):
@@ -104,7 +106,8 @@ def _stage(fn: Callable[[object], object], src: queue.Queue, dst: queue.Queue,
 
 def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rotation],
            device: torch.device, allow_nonfinite: bool = False,
-           log: Callable[[str], None] | None = None) -> Iterator[Finished]:
+           log: Callable[[str], None] | None = None,
+           calib: CalibOptions | None = None) -> Iterator[Finished]:
     """Convert `todo` and yield each tensor once its bytes are written."""
     stop = threading.Event()
     q_read: queue.Queue = queue.Queue(maxsize=1)
@@ -152,8 +155,12 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             return item
         assert item.plan.quant is not None
         t0 = time.perf_counter()
-        q = quantize_rotated(item.w_rot, item.plan.quant, item.rotation, device)
-        return _Quantized(item.plan, q, item.nonfinite, time.perf_counter() - t0)
+        name = item.plan.info.name
+        res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device, calib)
+        if res.fallback and log:
+            log(f"tensor '{name}': {res.fallback}; quantized data-free")
+        return _Quantized(item.plan, res.q, item.nonfinite, time.perf_counter() - t0,
+                          res.record)
 
     threads = [
         threading.Thread(target=read_all, name="tq-read", daemon=True),
@@ -174,7 +181,8 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             if isinstance(item, Finished):
                 yield item
             elif isinstance(item, _Quantized):
-                yield _write(item.plan, item.q, item.nonfinite, item.seconds, writer)
+                yield _write(item.plan, item.q, item.nonfinite, item.seconds, writer,
+                             item.extra)
             if delay:
                 time.sleep(delay)
     finally:
@@ -186,8 +194,8 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
 
 
 def _write(tp: TensorPlan, q: QuantizedTensor, nonfinite: int, secs: float,
-           writer: ShardWriter) -> Finished:
+           writer: ShardWriter, extra: dict) -> Finished:
     digests = {key: writer.write(key, t) for key, t in q.storage(tp.info.name).items()}
     record = {"action": "quantize", "rel_error": q.rel_error, "nbytes": q.nbytes(),
-              "nonfinite": nonfinite, "seconds": round(secs, 4)}
+              "nonfinite": nonfinite, "seconds": round(secs, 4)} | extra
     return Finished(tp, digests, record)

@@ -60,6 +60,7 @@ class Plan:
     tensors: list[TensorPlan]
     rotations: dict[str, RotationPlan]
     layout: Layout = field(default_factory=Layout)
+    extra: dict = field(default_factory=dict)  # calibration and mixed precision, hashed too
 
     @property
     def converted(self) -> list[TensorPlan]:
@@ -74,12 +75,15 @@ class Plan:
                          t.rotation_id] for t in self.tensors],
             "layout": self.layout.describe(),
         }
+        if self.extra:
+            desc["extra"] = self.extra
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
 
 def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: RotationSpec,
               seeds: dict[str, int] | None = None,
-              max_shard_bytes: int = 2 * 1024**3) -> Plan:
+              max_shard_bytes: int = 2 * 1024**3,
+              bits: dict[str, int] | None = None) -> Plan:
     """Decide every tensor's fate and the output layout; raises on anything unworkable."""
     qc = (source.config or {}).get("quantization_config")
     if qc:
@@ -115,6 +119,8 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
             raise RecipeError(
                 f"recipe '{recipe.name}': rule '{rule.pattern}' (matching '{info.name}') "
                 f"gives invalid settings: {msg}") from e
+        if bits and info.name in bits:
+            spec = spec.model_copy(update={"bits": bits[info.name]})
         rot = rotation
         if seeds and info.name in seeds:
             rot = RotationSpec(kind=rotation.kind, block=rotation.block, seed=seeds[info.name])

@@ -223,16 +223,13 @@ class _Fit:
         self.outliers = torch.sort(best_i).values
 
 
-def quantize_rotated(w_rot: torch.Tensor, spec: QuantSpec, rotation: Rotation,
-                     device: torch.device | str | None = None) -> QuantizedTensor:
-    """Quantize an already rotated weight [out, in] (the pipeline rotates on another thread)."""
-    dev = torch.device(device) if device is not None else w_rot.device
+def _fitted(w_rot: torch.Tensor, spec: QuantSpec, dev: torch.device) -> _Fit:
+    """The data-free fit after its iterations, scales rounded to the stored fp16."""
     fit = _Fit(w_rot, spec, dev)
-    out, n = fit.out, fit.n
     fit.init_scales()
     for _ in range(spec.scale_iters):
         fit.iterate()
-    k = outlier_count(out * n, spec.outliers)
+    k = outlier_count(fit.out * fit.n, spec.outliers)
     if k:
         # Outliers are the largest residuals; refit without them so they stop pulling
         # scales and levels, then store their exact residuals.
@@ -240,6 +237,26 @@ def quantize_rotated(w_rot: torch.Tensor, spec: QuantSpec, rotation: Rotation,
         for _ in range(min(2, spec.scale_iters)):
             fit.iterate()
     fit.scales = fit.scales.half().float()  # assign with the scales that are stored
+    return fit
+
+
+def fit_grid(w_rot: torch.Tensor, spec: QuantSpec,
+             device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data-free grid of a rotated weight: (scales [out, groups] float32 holding the
+    stored fp16 values, codebook [2**bits] float32 ascending), on `device`.
+
+    Calibrated quantization (`tq_cli.gptq`) assigns codes on this grid."""
+    dev = torch.device(device) if device is not None else w_rot.device
+    fit = _fitted(w_rot, spec, dev)
+    return fit.scales, fit.codebook.float()
+
+
+def quantize_rotated(w_rot: torch.Tensor, spec: QuantSpec, rotation: Rotation,
+                     device: torch.device | str | None = None) -> QuantizedTensor:
+    """Quantize an already rotated weight [out, in] (the pipeline rotates on another thread)."""
+    dev = torch.device(device) if device is not None else w_rot.device
+    fit = _fitted(w_rot, spec, dev)
+    out, n = fit.out, fit.n
     codes_out = torch.empty(out, packed_row_bytes(n, spec.bits), dtype=torch.uint8)
     out_val = torch.empty(0, dtype=torch.float16)
     err = 0.0

@@ -29,10 +29,16 @@ FLAGS = {
     "quant.outliers": "--outliers", "quant.scale_iters": "--scale-iters",
     "quant.window_overlap": "--window-overlap", "quant.temperature": "--temperature",
     "rotation.kind": "--rotation", "rotation.block": "--rotation-block", "rotation.seed": "--seed",
-    "device": "--device", "max_shard_bytes": "--shard-size",
+    "device": "--device", "max_shard_bytes": "--shard-size", "bit_choices": "--bit-choices",
+    "target_bits": "--target-bits", "damp": "--damp", "": "convert options",
     "quant": "quantization options", "rotation": "rotation options",
 }
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
+
+
+def _choices(text: str) -> list[int | str]:
+    """'3,4' -> [3, 4]; a non-number is passed through for validation to name."""
+    return [int(x) if x.strip().isdigit() else x.strip() for x in text.split(",")]
 
 
 def parse_size(text: str) -> int:
@@ -79,6 +85,16 @@ def main(
     temperature: str | None = typer.Option(None, "--temperature",
                                            help="Soft codebook refinement: a number, 'auto' "
                                                 "(sqrt(d)/ln(group)) or 'none'."),
+    calib: Path | None = typer.Option(None, "--calib", help="Calibration file from tq "
+                                      "calibrate: GPTQ-style error feedback per layer."),
+    damp: float = typer.Option(0.01, "--damp", help="With --calib: damping, a fraction of "
+                               "the mean diagonal of H."),
+    act_order: bool = typer.Option(False, "--act-order", help="With --calib: quantize columns "
+                                   "in order of decreasing H diagonal."),
+    target_bits: float | None = typer.Option(None, "--target-bits", help="Mixed precision: "
+                                             "choose each tensor's bits for this average."),
+    bit_choices: str = typer.Option("2,3,4", "--bit-choices", help="With --target-bits: the "
+                                    "widths to choose from."),
     recipe: str | None = typer.Option(None, "--recipe",
                                       help="Recipe name (llama, bert, generic) or TOML path."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
@@ -101,11 +117,15 @@ def main(
             "recipe": recipe, "device": device, "allow_nonfinite": allow_nonfinite,
             "overwrite": overwrite, "resume": resume, "max_shard_bytes": parse_size(shard_size),
             "seeds_file": str(seeds) if seeds is not None else None,
+            "calib": str(calib) if calib is not None else None, "damp": damp,
+            "act_order": act_order, "target_bits": target_bits,
+            "bit_choices": _choices(bit_choices),
         })
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
-        flag = FLAGS.get(where, "--" + where.replace("_", "-"))
+        top = str(err["loc"][0]) if err["loc"] else ""
+        flag = FLAGS.get(where) or FLAGS.get(top) or "--" + where.replace("_", "-")
         msg = str(err["msg"]).removeprefix("Value error, ")
         stderr.print(f"[bold red]usage error:[/] {flag}: {msg}", highlight=False)
         raise typer.Exit(code=2) from None
@@ -142,8 +162,10 @@ def summary_table(r: ConvertResult, spec: ConvertSpec) -> Table:
     t.add_column("metric")
     t.add_column("value", justify="right")
     rows = [
-        ("settings", f"{spec.quant.bits}-bit, group {spec.quant.group_size}, "
-                     f"{spec.quant.codebook}, rotation {spec.rotation.kind}"),
+        ("settings", (f"{spec.quant.bits}-bit" if spec.target_bits is None else
+                      f"mixed {spec.target_bits:g} bits ({'/'.join(map(str, spec.bit_choices))})")
+         + f", group {spec.quant.group_size}, {spec.quant.codebook}, "
+           f"rotation {spec.rotation.kind}"),
         ("tensors converted", str(r.tensors_converted)),
         ("tensors kept", str(r.tensors_kept)),
         ("bits per weight (converted)", f"{r.bits_per_weight:.4f}"),
@@ -155,6 +177,12 @@ def summary_table(r: ConvertResult, spec: ConvertSpec) -> Table:
         ("throughput", f"{s['throughput_mb_s']:.1f} MB/s"),
         ("device", r.device),
     ]
+    if r.calibrated_tensors is not None:
+        rows.append(("calibrated (GPTQ) tensors", f"{r.calibrated_tensors} of "
+                                                  f"{r.tensors_converted}"))
+    if r.mixed is not None:
+        per = ", ".join(f"{b}-bit: {n}" for b, n in r.mixed["tensors_per_bits"].items())
+        rows.append(("tensors per width", per))
     if r.resumed_tensors:
         rows.append(("resumed (already done)", str(r.resumed_tensors)))
     for k, v in rows:
