@@ -79,7 +79,7 @@ def check_on_grid(model, bits: int, group: int) -> float:
     """Largest |w - (round(w/s)+z clamped - z)*s| / s over all quantized weights."""
     worst = 0.0
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1  # signed codes, asym included
-    for name, m in model.named_modules():
+    for _name, m in model.named_modules():
         if not hasattr(m, "weight_scale"):
             continue
         w, s = m.weight.detach().float(), m.weight_scale.detach().float()
@@ -135,7 +135,7 @@ def main() -> int:
     out = {}
     for f in sorted(args.source.glob("*.safetensors")):
         with safe_open(f, "pt") as src:
-            for name in src.keys():
+            for name in src.keys():  # noqa: SIM118 (safe_open is not a dict)
                 out[name] = sd[name].detach().to(torch.float32).contiguous().clone()
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(out, args.out / "model.safetensors", metadata={"format": "pt"})
