@@ -66,7 +66,7 @@ class SearchSpec(BaseModel):
     quant: QuantSpec = Field(default_factory=QuantSpec)
     rotation: RotationSpec = Field(default_factory=RotationSpec)
     recipe: str | None = None
-    finalists: int | None = Field(8, ge=1, description="None: score every seed exactly")
+    finalists: int | None = Field(4, ge=1, description="None: score every seed exactly")
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 

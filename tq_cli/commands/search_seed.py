@@ -49,7 +49,7 @@ def main(
     outliers: float = typer.Option(0.001, "--outliers", help="Fraction kept exactly."),
     scale_iters: int = typer.Option(4, "--scale-iters", help="Refinement passes."),
     recipe: str | None = typer.Option(None, "--recipe", help="Recipe name or TOML path."),
-    finalists: int = typer.Option(8, "--finalists", min=1,
+    finalists: int = typer.Option(4, "--finalists", min=1,
                                   help="Seeds per tensor scored exactly after the screen."),
     exhaustive: bool = typer.Option(False, "--exhaustive", help="Score every seed exactly."),
     jobs: int = typer.Option(1, "--jobs", min=1, help="Local processes (torchrun: ignored)."),
