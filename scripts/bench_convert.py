@@ -2,9 +2,9 @@
 
 Usage: python scripts/bench_convert.py [SOURCE] [--bits 4] [--json FILE]
 
-SOURCE defaults to the SmolLM2-135M folder built from its PyPI wheel. The copy is timed
-before and after the conversion and averaged, so a machine that gets busier half-way
-does not skew the ratio.
+SOURCE defaults to the SmolLM2-135M folder built from its PyPI wheel. The copy (the
+fastest of repeated passes, as in `tq bench`) is timed before and after the conversion
+and averaged, so a machine that gets busier half-way does not skew the ratio.
 """
 
 from __future__ import annotations
@@ -16,21 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
-
+from tq_cli.bench.conversion import copy_seconds
 from tq_cli.converter import ConvertSpec, convert
-from tq_cli.io.safetensors_reader import open_source
 from tq_cli.spec import QuantSpec
-
-
-def copy_time(folder: Path, scratch: Path) -> float:
-    t = time.perf_counter()
-    for shard in open_source(folder).files:
-        save_file(load_file(shard), scratch / shard.name)
-    elapsed = time.perf_counter() - t
-    for p in scratch.glob("*.safetensors"):
-        p.unlink()
-    return elapsed
 
 
 def main() -> int:
@@ -47,11 +35,11 @@ def main() -> int:
         src = smollm2_folder()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        c1 = copy_time(src, scratch)
+        c1 = copy_seconds(src, scratch)
         t = time.perf_counter()
         r = convert(src, scratch / "out", ConvertSpec(quant=QuantSpec(bits=args.bits)))
         conv = time.perf_counter() - t
-        c2 = copy_time(src, scratch)
+        c2 = copy_seconds(src, scratch)
     copy = (c1 + c2) / 2
     row = {"source": str(src), "bits": args.bits, "source_bytes": r.source_bytes,
            "convert_s": round(conv, 2), "load_save_s": round(copy, 2),

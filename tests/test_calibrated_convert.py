@@ -142,3 +142,21 @@ def test_target_below_reach_is_one_line(tiny_llama: Path, tmp_path: Path) -> Non
     assert r.exit_code == 1
     assert "below the smallest achievable" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_search_seed_calib_objective_reproduced_by_convert(tiny_llama: Path, calib_file: Path,
+                                                           tmp_path: Path) -> None:
+    from tq_cli.seedsearch import SearchSpec, search
+
+    seeds = tmp_path / "seeds.json"
+    doc = search(tiny_llama, seeds, SearchSpec(seeds=[0, 1, 2], objective="calib",
+                                               calib=str(calib_file), quant=QUANT,
+                                               finalists=2, device="cpu"))
+    assert doc is not None and doc["calib_sha256"] == read_calibration(calib_file).sha256
+    out = tmp_path / "o"
+    convert(tiny_llama, out, ConvertSpec(quant=QUANT, calib=str(calib_file),
+                                         seeds_file=str(seeds), device="cpu"))
+    by_name = {t["name"]: t for t in read_manifest(out)["tensors"]}
+    for name, t in doc["tensors"].items():
+        assert by_name[name]["rotation"]["seed"] == t["seed"]
+        assert by_name[name]["weighted_rel_error"] == t["score"]  # the same GPTQ run

@@ -20,6 +20,7 @@ from tq_cli.gptq import (
     weighted_error,
 )
 from tq_cli.io.calibration import Calibration
+from tq_cli.io.safetensors_reader import TensorInfo, read_tensor
 from tq_cli.quantizer import QuantizedTensor, dequantize_rotated, quantize_rotated
 from tq_cli.rotation import Rotation
 from tq_cli.spec import QuantSpec
@@ -64,3 +65,10 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
             reason = str(e)
     q = quantize_rotated(w_rot, spec, rotation, device)
     return TensorResult(q, {"calibrated": False, "fallback": reason}, None, reason)
+
+
+def read_weight(info: TensorInfo) -> torch.Tensor:
+    """A source weight in float32 with NaN/Inf as 0, as the pipeline quantizes it under
+    --allow-nonfinite (pre-passes that only score tensors never fail on them)."""
+    w = read_tensor(info).to(torch.float32)
+    return torch.where(torch.isfinite(w), w, torch.zeros_like(w))

@@ -20,14 +20,12 @@ from typing import Any
 import torch
 
 from tq_cli.allocate import allocate
-from tq_cli.calibrated import CalibOptions, quantize_tensor
-from tq_cli.io.safetensors_reader import read_tensor
+from tq_cli.calibrated import CalibOptions, quantize_tensor, read_weight
+from tq_cli.io.writer import nbytes
 from tq_cli.plan import Plan
 from tq_cli.quantizer import storage_layout
 from tq_cli.rotation import Rotation, make_rotation
 from tq_cli.spec import QuantSpec
-
-DTYPE_BYTES = {"U8": 1, "F16": 2, "F32": 4, "I32": 4}
 
 
 @dataclass(frozen=True)
@@ -37,13 +35,8 @@ class MixedChoice:
 
 
 def storage_bits(out: int, n: int, spec: QuantSpec) -> int:
-    total = 0
-    for dtype, shape in storage_layout(out, n, spec).values():
-        count = 1
-        for d in shape:
-            count *= d
-        total += count * DTYPE_BYTES[dtype] * 8
-    return total
+    return 8 * sum(nbytes(dtype, tuple(shape))
+                   for dtype, shape in storage_layout(out, n, spec).values())
 
 
 def choose_bits(plan: Plan, target: float, choices: tuple[int, ...], device: torch.device,
@@ -57,8 +50,7 @@ def choose_bits(plan: Plan, target: float, choices: tuple[int, ...], device: tor
         assert tp.quant is not None and tp.rotation is not None
         name = tp.info.name
         out, n = tp.info.shape
-        w = read_tensor(tp.info).to(torch.float32)
-        w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+        w = read_weight(tp.info)
         if tp.rotation_id:
             if tp.rotation_id not in rotations:
                 rotations[tp.rotation_id] = make_rotation(tp.rotation, n, tp.block)

@@ -35,12 +35,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tq_cli import __version__
+from tq_cli.calibrated import CalibOptions, quantize_tensor, read_weight
 from tq_cli.errors import TqError
 from tq_cli.io.manifest import write_json
-from tq_cli.io.safetensors_reader import SourceModel, open_source, read_tensor
+from tq_cli.io.safetensors_reader import SourceModel, open_source
 from tq_cli.io.source import resolve_source
 from tq_cli.plan import TensorPlan, make_plan
-from tq_cli.quantizer import QuantizedTensor, dequantize_rotated, quantize_rotated
+from tq_cli.quantizer import dequantize_rotated, quantize_rotated
 from tq_cli.recipe import resolve_recipe
 from tq_cli.rotation import Rotation, make_rotation
 from tq_cli.spec import QuantSpec, RotationSpec
@@ -167,12 +168,14 @@ def assign(tensors: list[TensorPlan], world: int) -> list[list[TensorPlan]]:
 class _Scorer:
     """Scores one tensor's weight under rotation seeds."""
 
-    def __init__(self, tp: TensorPlan, w: torch.Tensor, spec: SearchSpec,
-                 hessian: torch.Tensor | None, device: torch.device) -> None:
+    def __init__(self, tp: TensorPlan, w: torch.Tensor, calib: CalibOptions | None,
+                 device: torch.device) -> None:
         assert tp.quant is not None and tp.rotation is not None
-        self.tp, self.w, self.spec, self.h, self.device = tp, w, spec, hessian, device
+        self.tp, self.w, self.device = tp, w, device
         self.quant: QuantSpec = tp.quant
         self.screen_quant = self.quant.model_copy(update=SCREEN)
+        has_h = calib is not None and calib.calibration.hessian(tp.info.name) is not None
+        self.calib = calib if has_h else None  # no H for this tensor: scored by mse
 
     def rotation(self, seed: int) -> Rotation:
         assert self.tp.rotation is not None
@@ -182,24 +185,18 @@ class _Scorer:
     def score(self, seed: int, stage: str) -> float:
         rot = self.rotation(seed)
         w_rot = rot.rotate_rows(self.w)
-        quant = self.screen_quant if stage == "screen" else self.quant
-        if self.h is None:
-            return quantize_rotated(w_rot, quant, rot, self.device).rel_error
-        from tq_cli.gptq import quantize_calibrated, relative_weighted_error, rotate_hessian
+        if stage == "exact":  # exactly what convert (--calib) runs for this tensor
+            res = quantize_tensor(self.tp.info.name, w_rot, self.quant, rot, self.device,
+                                  self.calib)
+            return float(res.record.get("weighted_rel_error", res.q.rel_error))
+        q = quantize_rotated(w_rot, self.screen_quant, rot, self.device)
+        if self.calib is None:
+            return q.rel_error
+        from tq_cli.gptq import relative_weighted_error, rotate_hessian
 
-        h_rot = rotate_hessian(self.h, rot)
-        q: QuantizedTensor
-        if stage == "screen":
-            q = quantize_rotated(w_rot, quant, rot, self.device)
-        else:
-            q = quantize_calibrated(w_rot, h_rot, quant, rot, device=self.device)
-        return relative_weighted_error(w_rot, dequantize_rotated(q), h_rot)
-
-
-def _read_weight(tp: TensorPlan) -> torch.Tensor:
-    """The weight as the converter's pipeline sees it (float32, non-finite as 0)."""
-    w = read_tensor(tp.info).to(torch.float32)
-    return torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+        h = self.calib.calibration.hessian(self.tp.info.name)
+        assert h is not None
+        return relative_weighted_error(w_rot, dequantize_rotated(q), rotate_hessian(h, rot))
 
 
 def _finalists(screen: dict[int, float], k: int | None, seeds: list[int]) -> list[int]:
@@ -231,11 +228,12 @@ def search(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: Se
     if spec.objective == "calib":
         if spec.calib is None:
             raise SeedSearchError("--objective calib needs --calib CALIB (made by tq calibrate)")
-        from tq_cli.calibrate import read_calibration
+        from tq_cli.io.calibration import read_calibration
 
-        calib = read_calibration(spec.calib)
-        calib.check_source(model)
-        calib_sha = calib.sha256
+        calibration = read_calibration(spec.calib)
+        calibration.check_source(model)
+        calib = CalibOptions(calibration)
+        calib_sha = calibration.sha256
     device = resolve_device(spec.device)
     out = Path(out).expanduser()
     log = SearchLog(log_folder(out), search_key(model, spec, calib_sha), comm.rank)
@@ -245,10 +243,7 @@ def search(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: Se
     done_count = 0
     try:
         def scorer(tp: TensorPlan) -> _Scorer:
-            h = None
-            if calib is not None:
-                h = calib.hessian(tp.info.name)
-            return _Scorer(tp, _read_weight(tp), spec, h, device)
+            return _Scorer(tp, read_weight(tp.info), calib, device)
 
         def run(sc: _Scorer, seeds: list[int], stage: str) -> dict[int, float]:
             name = sc.tp.info.name

@@ -51,7 +51,8 @@ class Layout:
         return [[s.key, s.dtype, list(s.shape), s.shard, s.offset] for s in self.slots.values()]
 
 
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of safetensors `dtype` and `shape`."""
     n = DTYPES[dtype][1]
     for d in shape:
         n *= d
@@ -69,7 +70,7 @@ def plan_layout(groups: list[list[tuple[str, str, tuple[int, ...]]]], max_shard_
     bins: list[list[tuple[str, str, tuple[int, ...]]]] = []
     size = 0
     for grp in groups:
-        gsize = sum(_nbytes(d, s) for _, d, s in grp)
+        gsize = sum(nbytes(d, s) for _, d, s in grp)
         if not bins or (size + gsize > max_shard_bytes and bins[-1]):
             bins.append([])
             size = 0
@@ -84,7 +85,7 @@ def plan_layout(groups: list[list[tuple[str, str, tuple[int, ...]]]], max_shard_
         header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         pos = 0
         for key, dtype, shape in entries:
-            nb = _nbytes(dtype, shape)
+            nb = nbytes(dtype, shape)
             header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nb]}
             pos += nb
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -93,7 +94,7 @@ def plan_layout(groups: list[list[tuple[str, str, tuple[int, ...]]]], max_shard_
         slots = []
         for key, dtype, shape in entries:
             b, _e = header[key]["data_offsets"]  # type: ignore[index]
-            slot = Slot(key, dtype, tuple(shape), _nbytes(dtype, shape), name, start + b)
+            slot = Slot(key, dtype, tuple(shape), nbytes(dtype, shape), name, start + b)
             slots.append(slot)
             layout.slots[key] = slot
         layout.shards[name] = slots
