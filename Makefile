@@ -7,14 +7,20 @@
 #     TORCH_INDEX=https://download.pytorch.org/whl/cpu to get the CPU build);
 #   - a GPU: the normal (CUDA) torch from PyPI.
 # pyproject's `torch>=2.3` is then already satisfied and installs nothing more.
+#
+# Dependencies have lower bounds only: `make install` resolves what pip finds that day,
+# and CI (which runs it from a clean clone) catches a release that breaks tq.
+# constraints.txt records the versions the last green CI ran with; `make install-locked`
+# installs exactly those, and `make lock` rewrites the file from .venv.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CPU_TORCH ?= 2.13.0
 TORCH_INDEX ?=
 DEMO_OUT ?= $(HOME)/.cache/tq/demo/SmolLM2-135M-Instruct-tq4
+CONSTRAINTS ?=
 
-.PHONY: install demo test lint bench bench-quick clean
+.PHONY: install install-locked lock demo test lint bench bench-quick wheel-check clean
 
 install: $(VENV)/.installed
 
@@ -25,8 +31,16 @@ $(VENV)/.installed: pyproject.toml
 	else \
 		$(PY) -m pip install -q "torch==$(CPU_TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
 	fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $@
+
+install-locked:
+	rm -f $(VENV)/.installed
+	$(MAKE) install CONSTRAINTS=constraints.txt
+
+lock: install
+	{ echo "# Versions tq was last tested with (make lock); make install-locked uses them."; \
+	  $(PY) -m pip freeze --exclude-editable | sed -e 's/+cpu$$//' | grep -v '^-e '; } > constraints.txt
 
 demo: install
 	@model=$$($(PY) -m tq_cli.testmodels smollm2) && \
@@ -37,7 +51,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check tq_cli kernels tests scripts
-	$(VENV)/bin/mypy tq_cli kernels
+	$(VENV)/bin/mypy tq_cli kernels/tq_kernels
 
 bench: install
 	$(VENV)/bin/tq bench
@@ -45,5 +59,8 @@ bench: install
 bench-quick: install
 	$(VENV)/bin/tq bench --quick --baseline bench/baseline-cpu.json
 
+wheel-check:
+	bash scripts/wheel_check.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build dist

@@ -1,21 +1,27 @@
 """Recipes: per-model-family data that says which tensors are converted, and how.
 
-A recipe is a TOML file (`recipes/*.toml`, or any path) validated strictly: an unknown
-key is an error that names it. Rules are tried in order and the first whose glob
-pattern matches a tensor name decides; a tensor no rule matches is kept as it is.
+A recipe is a TOML file, validated strictly: an unknown key is an error that names it.
+The built-in ones ship as package data in `tq_cli/recipes/` and are read with
+importlib.resources, so a wheel carries them; any other path works too. Rules are tried
+in order and the first whose glob pattern matches a tensor name decides; a tensor no
+rule matches is kept as it is.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import sys
+from importlib.resources import files
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tq_cli.errors import RecipeError
 from tq_cli.spec import CodebookKind, QuantSpec
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,25 +70,21 @@ class Recipe(_Strict):
         return next((r for r in self.rules if r.matches(name)), None)
 
 
-def recipe_dirs() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    return [here.parent / "recipes", Path(sys.prefix) / "share" / "tq" / "recipes"]
+def builtin_recipes() -> dict[str, Traversable]:
+    """The recipes shipped inside the package, by name (the file's stem)."""
+    folder = files("tq_cli").joinpath("recipes")
+    found = [p for p in folder.iterdir() if p.name.endswith(".toml")]
+    return {p.name.removesuffix(".toml"): p for p in sorted(found, key=lambda p: p.name)}
 
 
-def builtin_recipes() -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for d in recipe_dirs():
-        if d.is_dir():
-            for p in sorted(d.glob("*.toml")):
-                found.setdefault(p.stem, p)
-    return found
-
-
-def load_recipe(path: Path) -> Recipe:
+def load_recipe(path: Path | Traversable) -> Recipe:
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise RecipeError(f"{path}: cannot read recipe ({e.strerror})") from e
+    except UnicodeDecodeError as e:
+        raise RecipeError(
+            f"{path.name}: not UTF-8 text (byte {e.start}); save the recipe as UTF-8") from e
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path.name}: not valid TOML ({e})") from e
     try:
