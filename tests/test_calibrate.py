@@ -13,6 +13,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 import tq_cli.calibrate as calib_mod
+import tq_cli.skeleton as skeleton_mod
 from tq_cli.calibrate import (
     CalibrationMismatchError,
     CalibResult,
@@ -217,7 +218,7 @@ def test_token_sequences_are_consecutive_cuts() -> None:
 def test_one_block_materialised_at_a_time(tiny_llama: Path, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     models: list[nn.Module] = []
-    build, read = calib_mod.build_skeleton, calib_mod.read_tensor
+    build, read = calib_mod.build_skeleton, skeleton_mod.read_tensor
     reads: list[str] = []
 
     def spy_build(folder: Path, config: dict) -> nn.Module:
@@ -229,7 +230,7 @@ def test_one_block_materialised_at_a_time(tiny_llama: Path, tmp_path: Path,
         return {i for i, b in enumerate(blocks)
                 if any(p.device.type != "meta" for p in b.parameters())}
 
-    def spy_read(info: calib_mod.TensorInfo) -> torch.Tensor:
+    def spy_read(info: skeleton_mod.TensorInfo) -> torch.Tensor:
         reads.append(info.name)
         if info.name.startswith("model.layers."):
             # While block i loads, no other block holds real weights.
@@ -237,7 +238,7 @@ def test_one_block_materialised_at_a_time(tiny_llama: Path, tmp_path: Path,
         return read(info)
 
     monkeypatch.setattr(calib_mod, "build_skeleton", spy_build)
-    monkeypatch.setattr(calib_mod, "read_tensor", spy_read)
+    monkeypatch.setattr(skeleton_mod, "read_tensor", spy_read)
     calibrate(tiny_llama, tmp_path / "c.calib",
               CalibSpec(samples=2, seqlen=16, device="cpu"))
     assert real_blocks() == set()

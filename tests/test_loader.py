@@ -135,7 +135,7 @@ def test_rotation_material_must_match_seed(llama_tq: Path, tmp_path: Path) -> No
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cuda_request_on_cpu_machine(llama_tq: Path) -> None:
-    with pytest.raises(TqError, match="no CUDA device is available; pass device='cpu'"):
+    with pytest.raises(TqError, match="no CUDA device is available; use device cpu or auto"):
         tq_cli.load(llama_tq, device="cuda")
 
 

@@ -86,6 +86,44 @@ def test_convert_with_seeds_reproduces_scores(searched: dict, tiny_llama: Path,
         assert by_name[name]["rel_error"] == t["score"]  # exactly, not approximately
 
 
+@pytest.mark.parametrize(("patch", "where", "why"), [
+    ({"seed": 1.5}, "tensors.{t}.seed", "Input should be a valid integer"),
+    ({"seed": "7"}, "tensors.{t}.seed", "Input should be a valid integer"),
+    ({"seed": -1}, "tensors.{t}.seed", "Input should be greater than or equal to 0"),
+    ({"seed": 2**64}, "tensors.{t}.seed", "Input should be less than or equal to 4294967295"),
+    (None, "tensors.{t}.seed", "Field required"),
+])
+def test_damaged_seeds_file_is_one_line(searched: dict, tiny_llama: Path, tmp_path: Path,
+                                        patch: dict | None, where: str, why: str) -> None:
+    doc = json.loads(json.dumps(searched))
+    name = next(iter(doc["tensors"]))
+    if patch is None:
+        del doc["tensors"][name]["seed"]
+    else:
+        doc["tensors"][name].update(patch)
+    seeds_file = tmp_path / "s.json"
+    seeds_file.write_text(json.dumps(doc))
+    with pytest.raises(TqError) as e:
+        convert(tiny_llama, tmp_path / "o", ConvertSpec(quant=QUANT, seeds_file=str(seeds_file)))
+    assert str(e.value) == (f"{seeds_file}: invalid seeds file at '{where.format(t=name)}': "
+                            f"{why}; make one with tq search-seed")
+    assert not (tmp_path / "o").exists()
+
+
+def test_seeds_file_that_is_not_json_or_a_folder(tiny_llama: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("[" * 100_000)
+    with pytest.raises(TqError, match="not a JSON seeds file; make one with tq search-seed"):
+        convert(tiny_llama, tmp_path / "o", ConvertSpec(seeds_file=str(bad)))
+    with pytest.raises(TqError, match="is a folder, not a seeds file"):
+        convert(tiny_llama, tmp_path / "o", ConvertSpec(seeds_file=str(tmp_path)))
+
+
+def test_seed_above_32_bits_is_refused() -> None:
+    with pytest.raises(SeedRangeError, match="above the largest seed 4294967295"):
+        parse_seeds("0..4294967296")
+
+
 def test_seeds_for_another_model_refused(searched: dict, tiny_bert: Path, tmp_path: Path,
                                          tiny_llama: Path) -> None:
     seeds_file = tmp_path / "s.json"

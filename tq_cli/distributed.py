@@ -13,13 +13,29 @@ import multiprocessing
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tq_cli.seedsearch import Comm
-
 TIMEOUT = datetime.timedelta(hours=12)  # a rank may be busy with a large tensor a long time
+
+
+@dataclass(frozen=True)
+class Comm:
+    """The ranks sharing one job. The single-process default gathers trivially."""
+
+    rank: int = 0
+    world: int = 1
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
 
 
 def torchrun_comm() -> Comm | None:

@@ -27,5 +27,9 @@ class OutputError(TqError):
     """The output folder cannot be written as asked."""
 
 
+class SeedSearchError(TqError):
+    """A seed search cannot run as asked, or its log or SEEDS file is unusable."""
+
+
 class NonFiniteError(TqError):
     """A tensor holds NaN or Inf values."""

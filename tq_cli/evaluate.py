@@ -201,9 +201,9 @@ def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: Eva
     """
     from transformers import AutoTokenizer
 
-    from tq_cli.converter import resolve_device
+    from tq_cli.device import resolve_device
 
-    device = resolve_device(spec.device)  # type: ignore[arg-type]
+    device = resolve_device(spec.device)
     t0 = time.perf_counter()
     cand, cand_folder = load_model(candidate, device)
     ref_src = reference_for(cand_folder, reference)

@@ -97,6 +97,28 @@ def link_rotations(model: nn.Module) -> None:
             m.set_rotation(rot if isinstance(rot, RotationMaterial) else None)
 
 
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Every TQLinear back to a plain nn.Linear holding its weight in the original basis.
+
+    The shared rotation holder (`model.tq`) goes too, so the state dict is an ordinary
+    model's. dtype: of the new weights (default: float32, the dequantized precision).
+    """
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, TQLinear):
+            continue
+        w = m.dequantize().to(dtype or torch.float32)
+        plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                          device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            plain.weight.copy_(w)
+            if m.bias is not None:
+                plain.bias.copy_(m.bias.to(w.dtype))
+        model.set_submodule(name, plain)
+    if isinstance(getattr(model, "tq", None), nn.Module):
+        del model.tq
+    return model
+
+
 class TurboQuantHfQuantizer(HfQuantizer):
     """Loads pre-quantized tq checkpoints; tq does not quantize inside from_pretrained."""
 
@@ -111,6 +133,11 @@ class TurboQuantHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         link_rotations(model)
         return model
+
+    def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+        # transformers' HfQuantizer.dequantize calls this, then drops quantization_config,
+        # so model.dequantize() + save_pretrained() writes an ordinary model.
+        return dequantize_model(model, dtype)
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         return True

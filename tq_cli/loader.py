@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tq_cli.errors import CorruptFileError, TqError, UnsupportedError
+from tq_cli.device import resolve_device
+from tq_cli.errors import CorruptFileError, TqError
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.source import resolve_source
 from tq_cli.rotation import verify
@@ -68,11 +69,7 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
     device: None picks CUDA when available, else CPU; "cuda" without CUDA is an error.
     dtype: of activations and kept tensors; default float16 on CUDA, float32 on CPU.
     """
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedError("device 'cuda' was asked for, but no CUDA device is available; "
-                               "pass device='cpu'")
+    dev = resolve_device(device)
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     folder = resolve_source(path_or_hub_id)
     ck = check_checkpoint(folder, verify_checksums)

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from tq_cli.allocate import allocate
-from tq_cli.calibrated import CalibOptions, quantize_tensor, read_weight
 from tq_cli.io.writer import nbytes
 from tq_cli.plan import Plan
 from tq_cli.quantizer import storage_layout
 from tq_cli.rotation import Rotation, make_rotation
 from tq_cli.spec import QuantSpec
+from tq_cli.tensor_fit import CalibOptions, quantize_tensor, read_weight
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The streaming stages of `convert`: read -> rotate (CPU) -> quantize (device) -> write.
 
 Each stage is a thread joined to the next by a queue of one item, so tensor i+1 rotates
-while tensor i quantizes and tensor i-1 is written (DESIGN.md, data flow), and at most a
+while tensor i quantizes and tensor i-1 is written (docs/design.md, data flow), and at most a
 handful of tensors are alive at once: peak memory follows the largest tensor, not the
 shard or the model. Kept tensors are copied byte for byte by the reader thread in
 chunks and never decoded. torch releases the GIL in its kernels, so threads overlap.
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tq_cli.calibrated import CalibOptions, quantize_tensor
 from tq_cli.errors import NonFiniteError
 from tq_cli.io.safetensors_reader import read_tensor
 from tq_cli.io.writer import ShardWriter
 from tq_cli.plan import TensorPlan
 from tq_cli.quantizer import QuantizedTensor
 from tq_cli.rotation import Rotation
+from tq_cli.tensor_fit import CalibOptions, quantize_tensor
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Grouped codebook quantization of a weight matrix in the rotated space (DESIGN.md 2-5).
+"""Grouped codebook quantization of a weight matrix in the rotated space (docs/design.md, math 2-5).
 
 Data comes in as a float weight [out, in] (or already rotated, from the streaming
 pipeline) and leaves as a `QuantizedTensor` of packed codes, fp16 group scales, a

@@ -1,4 +1,4 @@
-"""Rotation material drawn from a seed, and its application to weights (DESIGN.md 1).
+"""Rotation material drawn from a seed, and its application to weights (docs/design.md, math 1).
 
 The material (a sign vector, or orthogonal matrices) is what a checkpoint stores, so a
 model never depends on an RNG reproducing the same numbers elsewhere; `verify` compares

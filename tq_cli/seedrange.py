@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tq_cli.errors import TqError
+from tq_cli.spec import MAX_SEED
 
 MAX_SEEDS = 100_000
 HOW = "use START..END (inclusive), START..END:STEP or a list like 1,7,42"
@@ -20,6 +21,9 @@ def _int(text: str, whole: str, what: str) -> int:
                              f"whole number; {HOW}") from None
     if value < 0:
         raise SeedRangeError(f"bad seed range '{whole}': {what} {value} is negative; {HOW}")
+    if value > MAX_SEED:
+        raise SeedRangeError(f"bad seed range '{whole}': {what} {value} is above the largest "
+                             f"seed {MAX_SEED}; {HOW}")
     return value
 
 

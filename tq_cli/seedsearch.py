@@ -27,7 +27,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,24 +34,22 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tq_cli import __version__
-from tq_cli.calibrated import CalibOptions, quantize_tensor, read_weight
-from tq_cli.errors import TqError
+from tq_cli.device import Device, resolve_device
+from tq_cli.distributed import Comm
+from tq_cli.errors import SeedSearchError
 from tq_cli.io.manifest import write_json
 from tq_cli.io.safetensors_reader import SourceModel, open_source
+from tq_cli.io.seeds import SEEDS_FORMAT
 from tq_cli.io.source import resolve_source
 from tq_cli.plan import TensorPlan, make_plan
 from tq_cli.quantizer import dequantize_rotated, quantize_rotated
 from tq_cli.recipe import resolve_recipe
 from tq_cli.rotation import Rotation, make_rotation
 from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.tensor_fit import CalibOptions, quantize_tensor, read_weight
 
-SEEDS_FORMAT = 1
 REFERENCE_SEED = 0
 Objective = Literal["mse", "calib"]
-
-
-class SeedSearchError(TqError):
-    """The search cannot run as asked, or its log or output is unusable."""
 
 
 class SearchSpec(BaseModel):
@@ -68,24 +65,7 @@ class SearchSpec(BaseModel):
     rotation: RotationSpec = Field(default_factory=RotationSpec)
     recipe: str | None = None
     finalists: int | None = Field(4, ge=1, description="None: score every seed exactly")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-
-
-@dataclass(frozen=True)
-class Comm:
-    """The ranks working on one search. The single-process default gathers trivially."""
-
-    rank: int = 0
-    world: int = 1
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+    device: Device = "auto"
 
 
 ProgressFn = Callable[[str, int, int], None]  # (what, done, total)
@@ -208,8 +188,6 @@ def _finalists(screen: dict[int, float], k: int | None, seeds: list[int]) -> lis
 def search(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: SearchSpec,
            progress: ProgressFn | None = None, comm: Comm | None = None) -> dict[str, Any] | None:
     """Run this rank's share of the search; rank 0 writes and returns the SEEDS document."""
-    from tq_cli.converter import resolve_device
-
     comm = comm or Comm()
     t0 = time.perf_counter()
     folder = resolve_source(source)
@@ -364,41 +342,3 @@ def _document(model: SourceModel, spec: SearchSpec, tensors: list[TensorPlan],
     if spec.per == "model":
         doc["summary"]["model_seed"] = best_model_seed
     return doc
-
-
-def read_seeds(path: str | os.PathLike[str], source: SourceModel,
-               rotation: RotationSpec) -> tuple[dict[str, int], dict[str, Any]]:
-    """Load a SEEDS file for `convert --seeds`, refusing one made for another model or
-    rotation; returns tensor -> seed and what the manifest records about the file."""
-    p = Path(path).expanduser()
-    try:
-        raw = p.read_bytes()
-        doc = json.loads(raw)
-    except FileNotFoundError:
-        raise SeedSearchError(f"{p}: no such seeds file; make one with tq search-seed") from None
-    except ValueError:
-        raise SeedSearchError(f"{p}: not a JSON seeds file; make one with tq search-seed") \
-            from None
-    if not isinstance(doc, dict) or doc.get("tq_seeds") != SEEDS_FORMAT:
-        raise SeedSearchError(f"{p}: not a tq search-seed result (format "
-                              f"{doc.get('tq_seeds') if isinstance(doc, dict) else '?'}); make "
-                              "one with tq search-seed")
-    if doc["source"]["fingerprint"] != source.fingerprint:
-        raise SeedSearchError(
-            f"{p}: seeds were searched for model '{doc['source']['name']}', not for "
-            f"'{source.folder.name}' (fingerprints differ); run tq search-seed on "
-            f"{source.folder}")
-    if doc["rotation"]["kind"] != rotation.kind:
-        raise SeedSearchError(
-            f"{p}: seeds were searched for --rotation {doc['rotation']['kind']}, but this "
-            f"conversion uses --rotation {rotation.kind}; pass --rotation "
-            f"{doc['rotation']['kind']} or search again")
-    seeds = {name: int(entry["seed"]) for name, entry in doc["tensors"].items()}
-    unknown = sorted(set(seeds) - set(source.tensors))
-    if unknown:
-        raise SeedSearchError(f"{p}: tensor '{unknown[0]}' is not in {source.folder}; the "
-                              "seeds file belongs to another model")
-    record = {"file": p.name, "sha256": hashlib.sha256(raw).hexdigest(),
-              "objective": doc["objective"], "per": doc["per"],
-              "quant": doc["quant"], "searched": len(doc["seeds_searched"])}
-    return seeds, record

@@ -19,7 +19,7 @@ class _Frozen(BaseModel):
 
 
 class QuantSpec(_Frozen):
-    """How to quantize one weight matrix [out, in] in the rotated space (DESIGN.md 2-6)."""
+    """How to quantize one weight [out, in] in the rotated space (docs/design.md, math 2-6)."""
 
     bits: int = Field(4, description="code bits: 2, 3, 4 or 8")
     group_size: int = Field(128, ge=8, description="input columns per fp16 scale")
@@ -57,12 +57,17 @@ class QuantSpec(_Frozen):
         return self
 
 
+# Seeds are kept to 32 bits: every generator tq draws from takes them without folding
+# two seeds into one, and a SEEDS file or a CLI value outside is refused by name.
+MAX_SEED = 2**32 - 1
+
+
 class RotationSpec(_Frozen):
-    """The rotation of the input dimension (DESIGN.md 1). block None means the group size."""
+    """The rotation of the input dimension (docs/design.md, math 1); block None: the group size."""
 
     kind: RotationKind = "hadamard"
     block: int | None = Field(None, ge=1)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
     @model_validator(mode="after")
     def _check(self) -> RotationSpec:
@@ -75,7 +80,7 @@ class RotationSpec(_Frozen):
 
 
 def temperature_auto(in_features: int, group_size: int) -> float:
-    """The articles' T = sqrt(d) / log(group_size) (DESIGN.md 6)."""
+    """The articles' T = sqrt(d) / log(group_size) (docs/design.md, math 6)."""
     import math
 
     return math.sqrt(in_features) / math.log(group_size)

@@ -23,11 +23,8 @@ from pydantic import ValidationError
 from tq_cli.converter import ConvertSpec, convert
 from tq_cli.errors import TqError
 from tq_cli.evaluate import EvalSpec, evaluate
+from tq_cli.options import BY_FLAG, nest
 from tq_cli.text import Text
-
-QUANT_KEYS = {"bits": int, "group-size": int, "codebook": str, "outliers": float,
-              "scale-iters": int, "window-overlap": int, "temperature": str}
-ROTATION_KEYS = {"rotation": str, "rotation-block": int, "seed": int}
 
 
 def parse_sweep(text: str) -> list[dict[str, Any]]:
@@ -35,15 +32,17 @@ def parse_sweep(text: str) -> list[dict[str, Any]]:
     axes: list[tuple[str, list[Any]]] = []
     for term in text.split():
         key, sep, values = term.partition("=")
-        kinds = {**QUANT_KEYS, **ROTATION_KEYS}
         if not sep or not values:
             raise TqError(f"--sweep: '{term}' is not key=v1,v2")
-        if key not in kinds:
-            raise TqError(f"--sweep: unknown key '{key}'; known: {', '.join(sorted(kinds))}")
+        if key not in BY_FLAG:
+            raise TqError(f"--sweep: unknown key '{key}'; known: {', '.join(sorted(BY_FLAG))}")
+        parse = BY_FLAG[key].parse
         try:
-            axes.append((key, [kinds[key](v) for v in values.split(",")]))
+            parsed = [parse(v) for v in values.split(",")]
         except ValueError as e:
             raise TqError(f"--sweep: bad value in '{term}' ({e})") from e
+        # temperature stays as typed ('auto', 'none', '2.5'): that is what the table shows.
+        axes.append((key, values.split(",") if key == "temperature" else parsed))
     if not axes:
         raise TqError("--sweep: empty grid")
     names = [k for k, _ in axes]
@@ -52,22 +51,10 @@ def parse_sweep(text: str) -> list[dict[str, Any]]:
 
 
 def to_spec(combo: dict[str, Any]) -> ConvertSpec:
-    quant: dict[str, Any] = {}
-    rotation: dict[str, Any] = {}
-    for key, value in combo.items():
-        field = key.replace("-", "_")
-        if key == "temperature":
-            value = None if value == "none" else (value if value == "auto" else float(value))
-        if key in QUANT_KEYS:
-            quant[field] = value
-        elif key == "rotation":
-            rotation["kind"] = value
-        elif key == "rotation-block":
-            rotation["block"] = value
-        else:
-            rotation[field] = value
+    fields = {BY_FLAG[k].field: BY_FLAG[k].parse(v) if isinstance(v, str) else v
+              for k, v in combo.items()}
     try:
-        return ConvertSpec.model_validate({"quant": quant, "rotation": rotation})
+        return ConvertSpec.model_validate(nest(fields))
     except ValidationError as e:
         msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
         raise TqError(f"--sweep: combination {combo} is invalid: {msg}") from e

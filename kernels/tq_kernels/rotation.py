@@ -1,6 +1,6 @@
 """Blockwise rotations of the last dimension, pure torch (the reference the kernels match).
 
-The rotation R is block diagonal over the input dimension n (DESIGN.md, math point 1):
+The rotation R is block diagonal over the input dimension n (docs/design.md, math 1):
 `block`-sized blocks, then a tail of n % block columns.
 
 - Randomized Hadamard: R_b = diag(s_b) H_b / sqrt(b) with Sylvester's H_b (b a power of

@@ -6,9 +6,10 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -20,6 +21,7 @@ from rich.progress import (
 )
 
 from tq_cli.errors import TqError
+from tq_cli.options import BY_FLAG, QUANT_OPTIONS, nest, usage_message
 
 stderr = Console(stderr=True)
 stdout = Console()
@@ -47,17 +49,45 @@ def run_library(fn: Callable[[], T]) -> T:
         raise typer.Exit(code=130) from None
 
 
+def quant_option(flag: str) -> Any:
+    """The typer option for one of the shared quantization flags (tq_cli.options)."""
+    o = BY_FLAG[flag]
+    default = None if flag == "temperature" else o.default  # parsed from text below
+    return typer.Option(default, f"--{flag}", help=o.help)
+
+
+def quant_values(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The shared quantization flags a command took (its locals()), nested by spec."""
+    values = {}
+    for o in QUANT_OPTIONS:
+        name = o.flag.replace("-", "_")
+        if name in params:
+            value = params[name]
+            values[o.field] = o.parse(value) if isinstance(value, str) else value
+    return nest(values)
+
+
+def usage_error(e: ValidationError, flags: dict[str, str] | None = None) -> typer.Exit:
+    """Print a spec's validation error as one usage line naming the flag (exit code 2)."""
+    stderr.print(f"[bold red]usage error:[/] {usage_message(e, flags)}", highlight=False)
+    return typer.Exit(code=2)
+
+
 def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
+def progress_bar(unit: Literal["bytes", "count"] = "count", enabled: bool = True) -> Progress:
+    """The one Rich progress bar of every command, on stderr: bytes (convert) or a count
+    (blocks, windows, tensors) done, elapsed and remaining time. Use it as a context."""
+    done = DownloadColumn() if unit == "bytes" else TextColumn("{task.completed}/{task.total}")
+    return Progress(TextColumn("{task.description}"), BarColumn(), done, TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=stderr, transient=False,
+                    disable=not enabled)
+
+
 @contextmanager
 def tensor_progress(enabled: bool = True) -> Iterator[Progress]:
-    """A Rich progress bar on stderr (bytes done, tensors in the description)."""
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(),
-        DownloadColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=stderr, transient=False, disable=not enabled,
-    )
-    with progress:
+    """convert's bar: bytes of the source done, tensors counted in the description."""
+    with progress_bar("bytes", enabled) as progress:
         yield progress

@@ -124,7 +124,7 @@ def main(
                                         "model (kept between runs); default a temp folder."),
 ) -> None:
     from tq_cli.bench import SECTIONS, BenchSpec, run_bench
-    from tq_cli.converter import resolve_device
+    from tq_cli.device import resolve_device
 
     if device not in ("auto", "cpu", "cuda"):
         stderr.print(f"[bold red]usage error:[/] --device: '{device}' is not auto, cpu or cuda")
@@ -135,7 +135,7 @@ def main(
                      f"{', '.join(SECTIONS)}")
         raise typer.Exit(code=2)
     base = _read_baseline(baseline) if baseline is not None else None
-    dev = run_library(lambda: resolve_device(device))  # type: ignore[arg-type]
+    dev = run_library(lambda: resolve_device(device))
     spec = BenchSpec(quick=quick, device=dev, sections=tuple(section) or SECTIONS,
                      scratch=scratch)
     with stderr.status("benchmark") as status:

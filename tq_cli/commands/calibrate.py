@@ -7,16 +7,11 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 from rich.progress import (
-    BarColumn,
-    Progress,
     TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 
-from tq_cli.commands._common import emit_json, run_library, stderr, stdout
+from tq_cli.commands._common import emit_json, progress_bar, run_library, stdout, usage_error
 
 HELP = "Run a model on calibration text and save each converted layer's input statistics."
 EPILOG = """Examples:
@@ -55,15 +50,9 @@ def main(
                          seqlen=seqlen, device=device,
                          recipe=recipe, batch_size=batch_size)
     except ValidationError as e:
-        err = e.errors()[0]
-        flag = FLAGS.get(str(err["loc"][0]), str(err["loc"][0]))
-        stderr.print(f"[bold red]usage error:[/] {flag}: {err['msg']}", highlight=False)
-        raise typer.Exit(code=2) from None
+        raise usage_error(e, FLAGS) from None
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(),
-                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                   TimeRemainingColumn(), console=stderr)
-    with bar:
+    with progress_bar() as bar:
         tasks: list[TaskID] = []  # added at the first block, so an early error prints alone
 
         def on_block(done: int, total: int) -> None:

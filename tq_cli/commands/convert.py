@@ -10,7 +10,15 @@ from pydantic import ValidationError
 from rich.progress import TaskID
 from rich.table import Table
 
-from tq_cli.commands._common import emit_json, run_library, stderr, stdout, tensor_progress
+from tq_cli.commands._common import (
+    emit_json,
+    quant_option,
+    quant_values,
+    run_library,
+    stdout,
+    tensor_progress,
+    usage_error,
+)
 from tq_cli.converter import ConvertResult, ConvertSpec, convert
 from tq_cli.pipeline import Finished
 from tq_cli.plan import Plan
@@ -22,13 +30,10 @@ EPILOG = """Examples:
 
   tq convert ./SmolLM2-135M -o ./smol-tq3 --bits 3 --group-size 64 --rotation orthogonal
 
-  tq convert org/model -o out --recipe recipes/llama.toml --json > summary.json
+  tq convert org/model -o out --recipe my-recipe.toml --json > summary.json
 """
+# Flags of convert's own fields; the shared quantization flags are named by tq_cli.options.
 FLAGS = {
-    "quant.bits": "--bits", "quant.group_size": "--group-size", "quant.codebook": "--codebook",
-    "quant.outliers": "--outliers", "quant.scale_iters": "--scale-iters",
-    "quant.window_overlap": "--window-overlap", "quant.temperature": "--temperature",
-    "rotation.kind": "--rotation", "rotation.block": "--rotation-block", "rotation.seed": "--seed",
     "device": "--device", "max_shard_bytes": "--shard-size", "bit_choices": "--bit-choices",
     "target_bits": "--target-bits", "damp": "--damp", "": "convert options",
     "quant": "quantization options", "rotation": "rotation options",
@@ -51,40 +56,21 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * mult)
 
 
-def parse_temperature(text: str | None) -> float | str | None:
-    if text is None or text == "none":
-        return None
-    if text == "auto":
-        return "auto"
-    try:
-        return float(text)
-    except ValueError:
-        raise typer.BadParameter(f"'{text}' is not a number, 'auto' or 'none'") from None
-
-
 def main(
     source: str = typer.Argument(..., help="Model folder, or a Hugging Face hub id (org/name)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output folder for the checkpoint."),
-    bits: int = typer.Option(4, "--bits", help="Bits per code: 2, 3, 4 or 8."),
-    group_size: int = typer.Option(128, "--group-size", help="Input columns per fp16 scale."),
-    rotation: str = typer.Option("hadamard", "--rotation",
-                                 help="hadamard | orthogonal | none."),
-    rotation_block: int | None = typer.Option(None, "--rotation-block",
-                                              help="Rotation block size (default: group size)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the rotation."),
+    bits: int = quant_option("bits"),
+    group_size: int = quant_option("group-size"),
+    rotation: str = quant_option("rotation"),
+    rotation_block: int | None = quant_option("rotation-block"),
+    seed: int = quant_option("seed"),
     seeds: Path | None = typer.Option(None, "--seeds", help="Per-tensor rotation seeds from "
                                       "tq search-seed (recorded in the manifest)."),
-    codebook: str = typer.Option("lloyd-max", "--codebook", help="lloyd-max | uniform."),
-    outliers: float = typer.Option(0.001, "--outliers",
-                                   help="Fraction of weights kept exactly (0.001 = 0.1%)."),
-    scale_iters: int = typer.Option(4, "--scale-iters",
-                                    help="Scale/codebook refinement passes (0 = none)."),
-    window_overlap: int = typer.Option(0, "--window-overlap",
-                                       help="Columns of each neighbouring group in a group's "
-                                            "scale fit (articles' overlapping window)."),
-    temperature: str | None = typer.Option(None, "--temperature",
-                                           help="Soft codebook refinement: a number, 'auto' "
-                                                "(sqrt(d)/ln(group)) or 'none'."),
+    codebook: str = quant_option("codebook"),
+    outliers: float = quant_option("outliers"),
+    scale_iters: int = quant_option("scale-iters"),
+    window_overlap: int = quant_option("window-overlap"),
+    temperature: str | None = quant_option("temperature"),
     calib: Path | None = typer.Option(None, "--calib", help="Calibration file from tq "
                                       "calibrate: GPTQ-style error feedback per layer."),
     damp: float = typer.Option(0.01, "--damp", help="With --calib: damping, a fraction of "
@@ -108,12 +94,7 @@ def main(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
 ) -> None:
     try:
-        spec = ConvertSpec.model_validate({
-            "quant": {"bits": bits, "group_size": group_size, "codebook": codebook,
-                      "outliers": outliers, "scale_iters": scale_iters,
-                      "window_overlap": window_overlap,
-                      "temperature": parse_temperature(temperature)},
-            "rotation": {"kind": rotation, "block": rotation_block, "seed": seed},
+        spec = ConvertSpec.model_validate(quant_values(locals()) | {
             "recipe": recipe, "device": device, "allow_nonfinite": allow_nonfinite,
             "overwrite": overwrite, "resume": resume, "max_shard_bytes": parse_size(shard_size),
             "seeds_file": str(seeds) if seeds is not None else None,
@@ -121,14 +102,9 @@ def main(
             "act_order": act_order, "target_bits": target_bits,
             "bit_choices": _choices(bit_choices),
         })
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        top = str(err["loc"][0]) if err["loc"] else ""
-        flag = FLAGS.get(where) or FLAGS.get(top) or "--" + where.replace("_", "-")
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        stderr.print(f"[bold red]usage error:[/] {flag}: {msg}", highlight=False)
-        raise typer.Exit(code=2) from None
+    except ValueError as e:  # pydantic's ValidationError, or --temperature's parser
+        raise (usage_error(e, FLAGS) if isinstance(e, ValidationError)
+               else typer.BadParameter(str(e), param_hint="--temperature")) from None
 
     with tensor_progress() as bar:
         tasks: dict[str, TaskID] = {}

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
-from tq_cli.commands._common import emit_json, run_library, stderr, stdout
+from tq_cli.commands._common import emit_json, progress_bar, run_library, stderr, stdout
 
 HELP = "Measure what quantization costs: perplexity, KL and agreement, or embedding fidelity."
 EPILOG = """Examples:
@@ -23,8 +23,7 @@ EPILOG = """Examples:
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn(
-        "{task.completed}/{task.total}"), TimeElapsedColumn(), console=stderr)
+    return progress_bar()
 
 
 def main(

@@ -7,10 +7,17 @@ from typing import Any
 
 import typer
 from pydantic import ValidationError
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from tq_cli.commands._common import emit_json, run_library, stderr, stdout
+from tq_cli.commands._common import (
+    emit_json,
+    progress_bar,
+    quant_option,
+    quant_values,
+    run_library,
+    stdout,
+    usage_error,
+)
 
 HELP = "Grid-search the rotation seed that quantizes each tensor (or the model) best."
 EPILOG = """Each tensor is read once and every seed is screened with a one-pass fit; the
@@ -40,14 +47,13 @@ def main(
                                       "for --objective calib."),
     per: str = typer.Option("tensor", "--per", help="tensor | model: a seed per tensor, or "
                             "one for the whole model."),
-    bits: int = typer.Option(4, "--bits", help="Bits per code: 2, 3, 4 or 8."),
-    group_size: int = typer.Option(128, "--group-size", help="Input columns per fp16 scale."),
-    rotation: str = typer.Option("hadamard", "--rotation", help="hadamard | orthogonal."),
-    rotation_block: int | None = typer.Option(None, "--rotation-block",
-                                              help="Rotation block size (default: group size)."),
-    codebook: str = typer.Option("lloyd-max", "--codebook", help="lloyd-max | uniform."),
-    outliers: float = typer.Option(0.001, "--outliers", help="Fraction kept exactly."),
-    scale_iters: int = typer.Option(4, "--scale-iters", help="Refinement passes."),
+    bits: int = quant_option("bits"),
+    group_size: int = quant_option("group-size"),
+    rotation: str = quant_option("rotation"),
+    rotation_block: int | None = quant_option("rotation-block"),
+    codebook: str = quant_option("codebook"),
+    outliers: float = quant_option("outliers"),
+    scale_iters: int = quant_option("scale-iters"),
     recipe: str | None = typer.Option(None, "--recipe", help="Recipe name or TOML path."),
     finalists: int = typer.Option(4, "--finalists", min=1,
                                   help="Seeds per tensor scored exactly after the screen."),
@@ -62,28 +68,17 @@ def main(
 
     seed_list = run_library(lambda: parse_seeds(seeds))
     try:
-        spec = SearchSpec.model_validate({
+        spec = SearchSpec.model_validate(quant_values(locals()) | {
             "seeds": seed_list, "objective": objective,
             "calib": str(calib) if calib else None, "per": per,
-            "quant": {"bits": bits, "group_size": group_size, "codebook": codebook,
-                      "outliers": outliers, "scale_iters": scale_iters},
-            "rotation": {"kind": rotation, "block": rotation_block},
             "recipe": recipe, "finalists": None if exhaustive else finalists, "device": device,
         })
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"][-1:])
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        stderr.print(f"[bold red]usage error:[/] --{where.replace('_', '-')}: {msg}",
-                     highlight=False)
-        raise typer.Exit(code=2) from None
+        raise usage_error(e) from None
 
     comm = torchrun_comm()
     rank0 = comm is None or comm.rank == 0
-    bar = Progress(TextColumn("{task.description}"), BarColumn(),
-                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                   TimeRemainingColumn(), console=stderr, disable=not rank0)
-    with bar:
+    with progress_bar(enabled=rank0) as bar:
         task = bar.add_task("tensors", total=None)
 
         def progress(name: str, done: int, total: int) -> None:
