@@ -16,6 +16,7 @@ import torch
 from tq_cli import __version__
 from tq_cli.card import render_card
 from tq_cli.convert_spec import ConvertResult, ConvertSpec
+from tq_cli.io.integrity import manifest_digest
 from tq_cli.io.manifest import MANIFEST, quantization_config, write_json
 from tq_cli.io.output import PLAN_FILE, copy_other_files, swap_into_place
 from tq_cli.io.safetensors_reader import INDEX_NAME
@@ -101,7 +102,8 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
     config = dict(plan.source.config or {})
     block = spec.rotation.block
     config["quantization_config"] = quantization_config(
-        spec.quant.model_dump(), spec.rotation.model_dump(), block, kept_modules)
+        spec.quant.model_dump(), spec.rotation.model_dump(), block, kept_modules,
+        manifest_digest(manifest))
     write_json(partial / "config.json", config)
     copy_other_files(plan.source.folder, partial)
     (partial / "README.md").write_text(render_card(manifest))

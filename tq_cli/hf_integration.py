@@ -12,6 +12,7 @@ is (or gets) imported.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from tq_cli.errors import UnsupportedError
+from tq_cli.io.checkpoint import check_checkpoint
 from tq_cli.io.manifest import QUANT_METHOD, read_manifest
 from tq_cli.io.safetensors_reader import DTYPES, read_header
 from tq_cli.tq_linear import PACKED, RotationMaterial, TQLinear
@@ -128,7 +130,11 @@ class TurboQuantHfQuantizer(HfQuantizer):
         files = [str(f) for f in kwargs.get("checkpoint_files") or []]
         if not files:
             raise ValueError("tq: from_pretrained on a tq checkpoint needs its safetensors files")
-        return prepare_model(model, Path(files[0]).parent, _headers(files))
+        folder = Path(files[0]).parent
+        # The checks tq_cli.load runs (once per folder per process); TQ_SKIP_CHECKSUMS=1
+        # skips only the full sha256 read of the shards, never the structural checks.
+        check_checkpoint(folder, verify_checksums=not os.environ.get("TQ_SKIP_CHECKSUMS"))
+        return prepare_model(model, folder, _headers(files))
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         link_rotations(model)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,9 +19,8 @@ from torch import nn
 
 from tq_cli.device import resolve_device
 from tq_cli.errors import CorruptFileError, TqError
-from tq_cli.io.checkpoint import Checkpoint
+from tq_cli.io.checkpoint import check_checkpoint
 from tq_cli.io.source import resolve_source
-from tq_cli.rotation import verify
 from tq_cli.tq_linear import TQLinear
 
 log = logging.getLogger("tq")
@@ -47,19 +45,6 @@ def model_class(config: dict) -> Any:
     if config.get("is_decoder") or "CausalLM" in str(config.get("architectures")):
         return transformers.AutoModelForCausalLM
     return transformers.AutoModel
-
-
-def check_checkpoint(folder: Path, verify_checksums: bool = True) -> Checkpoint:
-    """Manifest, version, checksums and rotation material; raises TqError naming the problem."""
-    ck = Checkpoint(folder)
-    if verify_checksums:
-        ck.verify_checksums()
-    for rid, info in ck.manifest.get("rotations", {}).items():
-        if not verify(ck.rotation(rid)):
-            raise CorruptFileError(
-                f"{folder}: rotation material '{rid}' does not match its seed "
-                f"{info['seed']}; the checkpoint was altered or made by an incompatible tq")
-    return ck
 
 
 def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | None = None,

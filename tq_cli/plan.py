@@ -87,9 +87,10 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
     """Decide every tensor's fate and the output layout; raises on anything unworkable."""
     qc = (source.config or {}).get("quantization_config")
     if qc:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         raise UnsupportedError(
             f"{source.folder / 'config.json'}: the model is already quantized "
-            f"(quant_method '{qc.get('quant_method', '?')}'); convert the original weights")
+            f"(quant_method '{method}'); convert the original weights")
     tensors: list[TensorPlan] = []
     rotations: dict[str, RotationPlan] = {}
     users: dict[str, int] = {}

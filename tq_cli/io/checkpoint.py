@@ -1,49 +1,43 @@
 """Reading a format-v1 checkpoint back: manifest, checksums, and quantized tensors.
 
-Used by the loader, by `tq eval` and by tests; it rebuilds `QuantizedTensor`s from the
-stored keys and the manifest, and rotation material from its shared keys.
+Used by the loader, by `tq eval` and by tests. Opening one runs the structural checks
+of `tq_cli.io.integrity` (schema, manifest digest, index and every shard header against
+the manifest), so no tensor is read from a folder that is not what `convert` wrote; it
+then rebuilds `QuantizedTensor`s and rotation material from the stored keys.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from tq_cli.errors import CorruptFileError, TqError
+from tq_cli.io.integrity import verify_checkpoint, verify_shard_checksums
 from tq_cli.io.manifest import read_manifest
-from tq_cli.io.writer import file_sha256
+from tq_cli.io.safetensors_reader import INDEX_NAME
 from tq_cli.quantizer import QuantizedTensor
-from tq_cli.rotation import ROTATION_PREFIX, Rotation, rotation_from_tensors
+from tq_cli.rotation import ROTATION_PREFIX, Rotation, rotation_from_tensors, verify
 from tq_cli.spec import QuantSpec
 
 
 class Checkpoint:
     """A tq folder: its manifest, and lazy access to its tensors by key."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, verify_checksums: bool = False) -> None:
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
+        verify_checkpoint(self.folder, self.manifest, checksums=verify_checksums)
         self.entries = {t["name"]: t for t in self.manifest["tensors"]}
-        self._where: dict[str, str] = {}
-        for shard in self.manifest["shards"]:
-            path = self.folder / shard
-            if not path.is_file():
-                raise CorruptFileError(f"{path}: shard named in the manifest is missing")
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    self._where[key] = shard
+        index = json.loads((self.folder / INDEX_NAME).read_text(encoding="utf-8"))
+        self._where: dict[str, str] = dict(index["weight_map"])
         self._rotations: dict[str, Rotation] = {}
 
     def verify_checksums(self) -> None:
         """Compare each shard's sha256 with the manifest; raise naming the first bad one."""
-        for shard, want in self.manifest["shards"].items():
-            got = file_sha256(self.folder / shard)
-            if got != want:
-                raise CorruptFileError(
-                    f"{self.folder / shard}: checksum mismatch (manifest {want[:12]}…, file "
-                    f"{got[:12]}…); the shard is damaged, convert again or re-download it")
+        verify_shard_checksums(self.folder, self.manifest["shards"])
 
     def tensor(self, key: str) -> torch.Tensor:
         if key not in self._where:
@@ -78,3 +72,34 @@ class Checkpoint:
 
     def rotation_keys(self) -> list[str]:
         return [k for k in self._where if k.startswith(ROTATION_PREFIX)]
+
+
+# Folders already checked in this process, with the file stats they were checked at, so
+# tq_cli.load and the from_pretrained it calls verify a folder once, and again if it changes.
+_VERIFIED: dict[Path, tuple[tuple[str, int, int], ...]] = {}
+
+
+def _stats(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                 for p in sorted(folder.iterdir()) if p.is_file())
+
+
+def check_checkpoint(folder: Path, verify_checksums: bool = True) -> Checkpoint:
+    """Every integrity check before a load: the structure (tq_cli.io.integrity), the sha256
+    of every shard (unless verify_checksums is False) and the rotation material against a
+    fresh draw from its seed. Raises TqError naming the problem."""
+    folder = Path(folder).resolve()
+    stats = _stats(folder)
+    checksums = verify_checksums and _VERIFIED.get(folder) != stats
+    # from_pretrained calls this under a meta default device; the checks need real tensors.
+    with torch.device("cpu"):
+        ck = Checkpoint(folder, verify_checksums=checksums)
+        for rid, info in ck.manifest.get("rotations", {}).items():
+            if not verify(ck.rotation(rid)):
+                raise CorruptFileError(
+                    f"{folder}: rotation material '{rid}' does not match its seed "
+                    f"{info['seed']}; the checkpoint was altered or made by an incompatible "
+                    "tq")
+    if verify_checksums:
+        _VERIFIED[folder] = stats
+    return ck

@@ -28,9 +28,11 @@ def read_manifest(folder: Path) -> dict:
         raise NotACheckpointError(
             f"{folder}: not a tq checkpoint (no {MANIFEST}); convert it with `tq convert`")
     try:
-        data = json.loads(path.read_text())
-    except ValueError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise NotACheckpointError(f"{path}: not valid JSON; the checkpoint is damaged") from e
+    if not isinstance(data, dict):
+        raise NotACheckpointError(f"{path}: not a JSON object; the checkpoint is damaged")
     version = data.get("format_version")
     if not isinstance(version, int):
         raise NotACheckpointError(f"{path}: no format_version; the checkpoint is damaged")
@@ -42,8 +44,9 @@ def read_manifest(folder: Path) -> dict:
 
 
 def quantization_config(quant: dict, rotation: dict, block: int | None,
-                        kept_modules: list[str]) -> dict:
-    """The config.json entry that marks a folder as a TurboQuant checkpoint."""
+                        kept_modules: list[str], manifest_sha256: str) -> dict:
+    """The config.json entry that marks a folder as a TurboQuant checkpoint; it records the
+    manifest's digest (tq_cli.io.integrity.manifest_digest) for readers to check."""
     return {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
@@ -55,8 +58,10 @@ def quantization_config(quant: dict, rotation: dict, block: int | None,
         "rotation_block": block,
         "seed": rotation["seed"],
         "modules_to_not_convert": kept_modules,
+        "manifest_sha256": manifest_sha256,
     }
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    """Strict JSON: a NaN or infinity is a bug to surface, never `NaN` in a file."""
+    path.write_text(json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")

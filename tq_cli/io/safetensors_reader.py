@@ -99,7 +99,7 @@ def read_header(path: Path) -> tuple[dict, int, bytes]:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptFileError(f"{name}: header is not valid JSON; re-download the file") from e
     data_start = 8 + hlen
     header.pop("__metadata__", None)
@@ -156,9 +156,9 @@ def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
         try:
             data = json.loads(index.read_text())
             wmap = data["weight_map"]
-            if not isinstance(wmap, dict):
+            if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
                 raise TypeError
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise CorruptFileError(
                 f"{INDEX_NAME}: not a valid index (no weight_map object); re-download it") from e
         files: list[Path] = []
@@ -224,9 +224,13 @@ def open_source(folder: Path) -> SourceModel:
     cfg = folder / "config.json"
     if cfg.is_file():
         try:
-            model.config = json.loads(cfg.read_text())
-        except ValueError as e:
-            raise CorruptFileError(f"{cfg.name}: not valid JSON; re-download it") from e
+            config = json.loads(cfg.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise CorruptFileError(f"{cfg}: not valid JSON; re-download it") from e
+        if not isinstance(config, dict):
+            raise CorruptFileError(f"{cfg}: is JSON but not an object of settings; "
+                                   "re-download it")
+        model.config = config
         digest.update(cfg.read_bytes())
     model.fingerprint = "sha256:" + digest.hexdigest()
     return model
