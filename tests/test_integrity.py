@@ -88,8 +88,8 @@ def test_index_pointing_at_an_extra_shard_is_refused(converted: Path, tmp_path: 
 def test_edited_manifest_fails_its_digest(converted: Path, tmp_path: Path) -> None:
     d = _copy(converted, tmp_path)
     _edit_manifest(d, lambda m: _entry(m, Q)["spec"].update(bits=4))
-    with pytest.raises(TqError, match="does not match the manifest_sha256 recorded in "
-                                      "config.json"):
+    with pytest.raises(TqError, match=r"does not match the manifest_sha256 recorded in "
+                                      r"config\.json"):
         tq_cli.load(d, device="cpu")
 
 
@@ -110,7 +110,7 @@ def test_edited_manifest_fails_its_digest(converted: Path, tmp_path: Path) -> No
     (lambda m: m.pop("tensors"), "invalid manifest at 'tensors': Field required"),
     (lambda m: m.pop("shards"), "invalid manifest at 'shards': Field required"),
     (lambda m: _entry(m, Q).update(shape="96x96"),
-     f"invalid manifest at 'tensors.IDX.shape': Input should be a valid list"),
+     "invalid manifest at 'tensors.IDX.shape': Input should be a valid list"),
 ])
 def test_resealed_manifest_edits_are_caught_by_the_headers(
         converted: Path, tmp_path: Path, edit: Callable[[dict], None], message: str) -> None:

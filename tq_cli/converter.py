@@ -21,8 +21,15 @@ from tq_cli.device import resolve_device
 from tq_cli.errors import OutputError, UnsupportedError
 from tq_cli.finish import finish
 from tq_cli.io.manifest import write_json
-from tq_cli.io.output import PLAN_FILE, check_output, partial_path, read_plan_hash, verified
-from tq_cli.io.safetensors_reader import SourceModel, open_source
+from tq_cli.io.output import (
+    PLAN_FILE,
+    check_output,
+    output_lock,
+    partial_path,
+    read_plan_hash,
+    verified,
+)
+from tq_cli.io.safetensors_reader import SourceModel, open_source, source_sha256
 from tq_cli.io.source import resolve_source
 from tq_cli.io.writer import Journal, ShardWriter
 from tq_cli.pipeline import Finished, stream
@@ -44,6 +51,14 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
             log: Callable[[str], None] | None = None) -> ConvertResult:
     """Convert SOURCE (folder or hub id) into a TurboQuant checkpoint at OUT."""
     spec = spec or ConvertSpec()
+    out = Path(out).expanduser()
+    with output_lock(out):
+        return _convert(source, out, spec, on_plan, progress, log)
+
+
+def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
+             on_plan: Callable[[Plan], None] | None, progress: ProgressFn | None,
+             log: Callable[[str], None] | None) -> ConvertResult:
     t0 = time.perf_counter()
     warnings: list[str] = []
 
@@ -54,7 +69,6 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
 
     folder = resolve_source(source)
     model = open_source(folder)
-    out = Path(out).expanduser()
     check_output(out, folder, spec.overwrite)
     recipe = resolve_recipe(spec.recipe, model.config)
     seeds, seeds_record = spec.seeds, None
@@ -124,7 +138,7 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
         raise OutputError(f"{e.filename or partial}: cannot write ({e.strerror})") from e
     try:
         if not fresh:
-            done = verified(journal, writer)
+            done = _unchanged_inputs(verified(journal, writer), model, partial)
             journal.rewrite(list(done.values()))  # drop unverified and cut lines
         rotations = _write_rotations(plan, writer, journal, done)
         todo = [t for t in plan.tensors if t.info.name not in done]
@@ -166,3 +180,28 @@ def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
         journal.append(entry)
         done[name] = entry
     return rotations
+
+
+def _unchanged_inputs(done: dict[str, dict], model: SourceModel,
+                      partial: Path) -> dict[str, dict]:
+    """Finished tensors whose source bytes are still those they were converted from.
+
+    The plan hash only samples the source, so every finished input is hashed again: a
+    source changed in the middle must not resume into a mix of old and new tensors.
+    """
+    kept: dict[str, dict] = {}
+    for name, entry in done.items():
+        record = entry.get("record", {})
+        if record.get("action") == "rotation":
+            kept[name] = entry
+            continue
+        info = model.tensors.get(name)
+        want = record.get("source_sha256")
+        if info is None or want is None:
+            continue  # journaled by an older tq: convert it again
+        if source_sha256(info) != want:
+            raise OutputError(
+                f"{info.file.name}: tensor '{name}' changed since the interrupted conversion "
+                f"at {partial}; rerun without --resume to convert from the start")
+        kept[name] = entry
+    return kept

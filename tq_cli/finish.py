@@ -63,6 +63,8 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
                  if k in rec})
         else:
             entry["bytes"] = tp.info.nbytes
+        if "source_sha256" in rec:
+            entry["source_sha256"] = rec["source_sha256"]
         tensors.append(entry)
     output_bytes = sum(plan.layout.shard_size(s) for s in plan.layout.shards)
     result = ConvertResult(
@@ -76,6 +78,7 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
         calibrated_tensors=sum(1 for t in tensors if t.get("calibrated"))
         if "calibration" in provenance else None,
         mixed=provenance.get("mixed_precision"))
+    files = copy_other_files(plan.source.folder, partial)
     kept_modules = sorted({t.info.name.rsplit(".", 1)[0] for t in plan.tensors
                            if t.action == "keep" and t.info.name.endswith(".weight")})
     manifest: dict = {
@@ -93,6 +96,7 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
         | {"nonfinite_values": nonfinite_total},
         "tensors": tensors,
         "shards": shard_sha,
+        "files": files,
     } | provenance
     write_json(partial / MANIFEST, manifest)
     index = {"metadata": {"total_size": sum(s.nbytes for s in plan.layout.slots.values()),
@@ -105,7 +109,6 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
         spec.quant.model_dump(), spec.rotation.model_dump(), block, kept_modules,
         manifest_digest(manifest))
     write_json(partial / "config.json", config)
-    copy_other_files(plan.source.folder, partial)
     (partial / "README.md").write_text(render_card(manifest))
     for path in partial.iterdir():
         if path.is_file():

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from tq_cli.errors import NonFiniteError
-from tq_cli.io.safetensors_reader import read_tensor
+from tq_cli.io.safetensors_reader import read_tensor, tensor_sha256
 from tq_cli.io.writer import ShardWriter
 from tq_cli.plan import TensorPlan
-from tq_cli.quantizer import QuantizedTensor
+from tq_cli.quantizer import FP16_MAX, QuantizedTensor
 from tq_cli.rotation import Rotation
 from tq_cli.tensor_fit import CalibOptions, quantize_tensor
 
@@ -41,6 +41,7 @@ class Finished:
 class _Read:
     plan: TensorPlan
     tensor: torch.Tensor
+    source_sha256: str
 
 
 @dataclass
@@ -49,6 +50,7 @@ class _Rotated:
     w_rot: torch.Tensor
     rotation: Rotation
     nonfinite: int
+    source_sha256: str
 
 
 @dataclass
@@ -118,12 +120,16 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
     def read_all() -> None:
         try:
             for tp in todo:
+                # Each input's sha256 goes into the journal, so --resume can tell a source
+                # that changed since from one that did not (kept bytes: input = output).
                 if tp.action == "keep":
                     key = tp.keys[0][0]
                     digest = writer.copy(key, tp.info, stop.is_set)
-                    _put(q_read, Finished(tp, {key: digest}, {"action": "keep"}), stop)
+                    _put(q_read, Finished(tp, {key: digest}, {"action": "keep",
+                                                              "source_sha256": digest}), stop)
                 else:
-                    _put(q_read, _Read(tp, read_tensor(tp.info)), stop)
+                    t = read_tensor(tp.info)
+                    _put(q_read, _Read(tp, t, tensor_sha256(t)), stop)
             _put(q_read, _END, stop)
         except _Stop:
             return
@@ -146,9 +152,24 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             w = torch.where(bad, torch.zeros_like(w), w)
             if log:
                 log(f"tensor '{tp.info.name}': {nonfinite} NaN/Inf values quantized as 0")
+        # fp16 scales and outliers hold at most FP16_MAX: a larger finite value cannot be
+        # stored, so it is refused like a NaN, or clamped with --allow-nonfinite.
+        huge = int((w.abs() > FP16_MAX).sum())
+        if huge:
+            peak = float(w.abs().max())
+            if not allow_nonfinite:
+                raise NonFiniteError(
+                    f"{tp.info.file.name}: tensor '{tp.info.name}' has {huge} values beyond "
+                    f"what fp16 scales can hold (up to {peak:.3g}, limit {FP16_MAX:g}); fix the "
+                    "source, keep the tensor with a keep rule, or pass --allow-nonfinite to "
+                    "clamp them")
+            w = w.clamp(-FP16_MAX, FP16_MAX)
+            nonfinite += huge
+            if log:
+                log(f"tensor '{tp.info.name}': {huge} values beyond ±{FP16_MAX:g} clamped")
         rot = (rotations[tp.rotation_id] if tp.rotation_id
                else Rotation("none", w.shape[1], tp.block, 0))
-        return _Rotated(tp, rot.rotate_rows(w), rot, nonfinite)
+        return _Rotated(tp, rot.rotate_rows(w), rot, nonfinite, item.source_sha256)
 
     def quant(item: object) -> object:
         if not isinstance(item, _Rotated):
@@ -160,7 +181,7 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         if res.fallback and log:
             log(f"tensor '{name}': {res.fallback}; quantized data-free")
         return _Quantized(item.plan, res.q, item.nonfinite, time.perf_counter() - t0,
-                          res.record)
+                          res.record | {"source_sha256": item.source_sha256})
 
     threads = [
         threading.Thread(target=read_all, name="tq-read", daemon=True),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -24,6 +25,10 @@ from tq_cli.rotation import ROTATION_PREFIX, material_layout, resolve_block, rot
 from tq_cli.spec import QuantSpec, RotationSpec
 
 Key = tuple[str, str, tuple[int, ...]]
+# Embedding tables by the names transformers gives them; they are nn.Embedding, not
+# nn.Linear, so a converted one could never be loaded.
+EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_positions|word_embeddings|position_embeddings"
+                       r"|token_type_embeddings|wte|wpe|shared|embeddings)(\.|$)")
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,10 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
         raise UnsupportedError(
             f"{source.folder / 'config.json'}: the model is already quantized "
             f"(quant_method '{method}'); convert the original weights")
+    if not isinstance(source.config, dict) or not source.config.get("model_type"):
+        raise UnsupportedError(
+            f"{source.folder}: no config.json with a model_type; a tq checkpoint is loaded "
+            "from its config, so add the model's config.json to the folder")
     tensors: list[TensorPlan] = []
     rotations: dict[str, RotationPlan] = {}
     users: dict[str, int] = {}
@@ -113,6 +122,11 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
                 f"{info.file.name}: tensor '{info.name}' has dtype {info.dtype}, which tq "
                 f"cannot quantize (only {', '.join(sorted(FLOAT_DTYPES))}); "
                 "add a keep rule for it to the recipe")
+        if EMBEDDING.search(info.name):
+            raise UnsupportedError(
+                f"{info.file.name}: tensor '{info.name}' is an embedding table, but recipe "
+                f"'{recipe.name}' converts it and tq runs converted nn.Linear layers only; "
+                "add a keep rule for it")
         try:
             spec = rule.apply(quant)
         except ValidationError as e:
@@ -143,8 +157,29 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
         tensors.append(TensorPlan(info, "quantize", spec, rot, block, rid, keys))
     rotations = {rid: RotationPlan(r.rotation_id, r.spec, r.n, r.block, r.keys, users[rid])
                  for rid, r in rotations.items()}
+    _check_collisions(source, tensors, rotations)
     plan = Plan(source, recipe, quant, rotation, tensors, rotations)
     groups = [list(r.keys) for r in rotations.values()] + [list(t.keys) for t in tensors]
     plan.layout = plan_layout(groups, max_shard_bytes,
                               metadata={"tq_format_version": str(FORMAT_VERSION)})
     return plan
+
+
+def _check_collisions(source: SourceModel, tensors: list[TensorPlan],
+                      rotations: dict[str, RotationPlan]) -> None:
+    """Every key tq writes is written once: a source tensor named like one of tq's own
+    keys (`X.weight.codes`, `tq.rotation.*`) is refused before anything is written."""
+    owner: dict[str, str] = {}
+    claims = [(k, tp.info.name) for tp in tensors for k, _, _ in tp.keys]
+    claims += [(k, f"rotation {rid}") for rid, r in rotations.items() for k, _, _ in r.keys]
+    for key, who in claims:
+        if key in owner:
+            # The offender is the source tensor named like the key; the other wrote it.
+            first, second = (owner[key], who) if owner[key] == key else (who, owner[key])
+            info = source.tensors.get(first)
+            where = f"{info.file.name}: " if info is not None else ""
+            raise UnsupportedError(
+                f"{where}tensor '{first}' has the name of a key tq writes for '{second}'; "
+                "tq cannot convert this folder as it is: rename that tensor, or keep the "
+                f"tensor '{second}' with a keep rule")
+        owner[key] = who

@@ -236,7 +236,8 @@ def _fitted(w_rot: torch.Tensor, spec: QuantSpec, dev: torch.device) -> _Fit:
         fit.pick_outliers(k)
         for _ in range(min(2, spec.scale_iters)):
             fit.iterate()
-    fit.scales = fit.scales.half().float()  # assign with the scales that are stored
+    # Assign with the scales that are stored; fp16 holds them only up to FP16_MAX.
+    fit.scales = fit.scales.clamp(-FP16_MAX, FP16_MAX).half().float()
     return fit
 
 
@@ -267,7 +268,7 @@ def quantize_rotated(w_rot: torch.Tensor, spec: QuantSpec, rotation: Rotation,
         codes_out[r0:r1] = pack_codes(flat_codes, spec.bits).cpu()
         flat_res = resid.reshape(r1 - r0, fit.npad)[:, :n].reshape(-1)
         sel = oi[(oi >= r0 * n) & (oi < r1 * n)] - r0 * n
-        vals = flat_res[sel].half()
+        vals = flat_res[sel].clamp(-FP16_MAX, FP16_MAX).half()
         flat_res = flat_res.clone()
         flat_res[sel] -= vals.float()
         out_val = torch.cat([out_val, vals.cpu()])

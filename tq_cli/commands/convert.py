@@ -86,7 +86,8 @@ def main(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     shard_size: str = typer.Option("2GB", "--shard-size", help="Largest output shard."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite",
-                                         help="Quantize NaN/Inf values as 0 instead of failing."),
+                                         help="Quantize NaN/Inf values as 0 and clamp values "
+                                         "beyond ±65504 instead of failing."),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace OUT (kept until the new one is complete)."),
     resume: bool = typer.Option(False, "--resume",

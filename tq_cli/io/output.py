@@ -8,13 +8,17 @@ whole. `verified` decides which tensors a resumed run may keep.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from tq_cli.errors import OutputError
-from tq_cli.io.manifest import MANIFEST
+from tq_cli.errors import OutputError, TqError
+from tq_cli.io.manifest import MANIFEST, read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME, OTHER_WEIGHT_SUFFIXES
 from tq_cli.io.writer import Journal, ShardWriter
 
@@ -39,10 +43,73 @@ def check_output(out: Path, source: Path, overwrite: bool) -> None:
                           "(the old folder is kept until the new one is complete)")
     if out.is_symlink() or not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder; remove it or choose another OUT")
-    if any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise OutputError(f"{out}: exists and is not a tq checkpoint; --overwrite only "
-                          "replaces a tq checkpoint or an empty folder, so remove it by hand "
-                          "or choose another OUT")
+    if not any(out.iterdir()):
+        return
+    how = ("--overwrite only replaces a tq checkpoint or an empty folder, so remove it by "
+           "hand or choose another OUT")
+    if not (out / MANIFEST).is_file():
+        raise OutputError(f"{out}: exists and is not a tq checkpoint; {how}")
+    try:
+        manifest = read_manifest(out)
+        shards = manifest["shards"]
+        listed = manifest.get("files")
+        if not isinstance(shards, dict) or not isinstance(listed, list | None):
+            raise TypeError
+    except (TqError, KeyError, TypeError):
+        raise OutputError(f"{out}: its {MANIFEST} is not a tq manifest; {how}") from None
+    allowed = {MANIFEST, INDEX_NAME, "config.json", "README.md", *map(str, shards),
+               *map(str, listed or [])}
+    unexpected = []
+    for path in sorted(out.rglob("*")):
+        rel = str(path.relative_to(out))
+        if path.is_dir() or rel in allowed:
+            continue
+        # A checkpoint from a tq that did not list its copied files: the same file in the
+        # source is a copy convert made, anything else belongs to the user.
+        if listed is None and (source / rel).is_file() and not path.is_symlink():
+            continue
+        unexpected.append(rel)
+    if unexpected:
+        more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
+        raise OutputError(f"{out}: holds files tq did not write ({', '.join(unexpected[:3])}"
+                          f"{more}); {how}")
+
+
+@contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold an OS lock on OUT for a whole conversion, so a second `tq convert` into the
+    same OUT stops at once instead of mixing its shards with ours. The lock is a file
+    beside OUT (`.OUT.tq-lock`), released by the OS if the process dies."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.parent / f".{out.name}.tq-lock"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"{path}: cannot create the lock file ({e.strerror}); choose "
+                              "another OUT") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OutputError(f"{out}: another tq convert (pid {holder}) is writing it now; "
+                              "wait for it to finish or choose another OUT") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder removed the file between our open and lock: try again
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def read_plan_hash(partial: Path) -> str | None:
@@ -63,9 +130,11 @@ def verified(journal: Journal, writer: ShardWriter) -> dict[str, dict]:
     return ok
 
 
-def copy_other_files(src: Path, dst: Path) -> None:
-    """Tokenizer and other non-weight files, copied; weights and the old card are not."""
+def copy_other_files(src: Path, dst: Path) -> list[str]:
+    """Tokenizer and other non-weight files, copied (weights and the old card are not);
+    returns their relative paths, which the manifest lists."""
     skip = {"config.json", INDEX_NAME, "README.md", MANIFEST}
+    copied = []
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
         if any(part.startswith(".") for part in rel.parts) or not path.is_file():
@@ -76,6 +145,8 @@ def copy_other_files(src: Path, dst: Path) -> None:
         target = dst / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, target)
+        copied.append(str(rel))
+    return copied
 
 
 def swap_into_place(partial: Path, out: Path) -> None:

@@ -108,13 +108,16 @@ def read_header(path: Path) -> tuple[dict, int, bytes]:
         if not isinstance(entry, dict) or set(entry) - {"dtype", "shape", "data_offsets"}:
             raise CorruptFileError(f"{name}: tensor '{tname}' has a malformed header entry")
         dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise UnsupportedError(
                 f"{name}: tensor '{tname}' has dtype '{dtype}', which tq cannot read; "
                 f"supported: {', '.join(DTYPES)}")
-        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+        def whole(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if (not isinstance(shape, list) or not all(whole(d) and d >= 0 for d in shape)
                 or not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) for o in offs)):
+                or not all(whole(o) for o in offs)):
             raise CorruptFileError(
                 f"{name}: tensor '{tname}' has a malformed shape or data_offsets; re-download it")
         begin, end = offs
@@ -254,6 +257,27 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes as stored (the same as of its span in the file)."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().data if raw.numel() else b"").hexdigest()
+
+
+def source_sha256(info: TensorInfo) -> str:
+    """sha256 of a tensor's span in its file, read in chunks (for --resume checks)."""
+    h = hashlib.sha256()
+    with open(info.file, "rb") as f:
+        done = 0
+        while done < info.nbytes:
+            chunk = os.pread(f.fileno(), min(COPY_CHUNK, info.nbytes - done), info.offset + done)
+            if not chunk:
+                raise CorruptFileError(
+                    f"{info.file.name}: tensor '{info.name}' is truncated; re-download the shard")
+            h.update(chunk)
+            done += len(chunk)
+    return h.hexdigest()
 
 
 class CopyInterrupted(Exception):
