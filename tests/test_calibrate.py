@@ -318,20 +318,17 @@ def test_bert_encoder(tiny_bert: Path, tmp_path: Path) -> None:
     assert r.calibrated == 12 and r.groups == 8 and r.uncalibrated == []
 
 
-def test_converted_non_linear_is_reported_uncalibrated(tiny_llama: Path,
-                                                        tmp_path: Path) -> None:
+def test_a_recipe_converting_an_embedding_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
+    # The loader runs converted nn.Linear layers only, so planning refuses an embedding
+    # for calibrate as for convert, before any model runs.
     recipe = tmp_path / "r.toml"
     recipe.write_text(HEAD_RECIPE.replace('pattern = "lm_head.weight"',
                                           'pattern = "model.embed_tokens.weight"'))
-    warned: list[str] = []
-    r = calibrate(tiny_llama, tmp_path / "c.calib",
-                  CalibSpec(samples=2, seqlen=16, device="cpu", recipe=str(recipe)),
-                  warn=warned.append)
-    assert r.uncalibrated == ["model.embed_tokens.weight"]
-    assert "Embedding is not nn.Linear" in warned[0] and "data-free" in warned[0]
-    cal = read_calibration(r.out)
-    assert cal.hessian("model.embed_tokens.weight") is None
-    assert cal.meta["uncalibrated"] == {"model.embed_tokens.weight": "Embedding is not nn.Linear"}
+    with pytest.raises(TqError, match=r"tensor 'model\.embed_tokens\.weight' is an embedding "
+                                      r"table, but recipe 'llama-head' converts it"):
+        calibrate(tiny_llama, tmp_path / "c.calib",
+                  CalibSpec(samples=2, seqlen=16, device="cpu", recipe=str(recipe)))
+    assert not (tmp_path / "c.calib").exists()
 
 
 def test_wrong_input_group_is_refused(tiny_llama: Path, tmp_path: Path) -> None:

@@ -160,7 +160,7 @@ def _kill_after(tiny_llama: Path, out: Path, lines: int) -> Path:
 def test_kill_mid_way_then_resume(tiny_llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["convert", str(tiny_llama), "-o", str(out), "--group-size", "64", "--json"]
-    _kill_after(tiny_llama, out, 6)
+    _kill_after(tiny_llama, out, 7)  # rotations and the guard, then tensors
     assert not out.exists(), "an interrupted conversion must not look complete"
     assert partial_path(out).exists()
 
@@ -196,10 +196,10 @@ def test_resume_redoes_damaged_tensors(tiny_llama: Path, tmp_path: Path) -> None
     convert(tiny_llama, tmp_path / "ref", spec)
     # Build a partial by hand: run, then restore the hidden folder state.
 
-    journal = _kill_after(tiny_llama, out, 4)
+    journal = _kill_after(tiny_llama, out, 5)
     # Damage one finished tensor's bytes: resume must notice and redo it.
     entries = [json.loads(line) for line in journal.read_text().splitlines()]
-    finished = [e for e in entries if not e["tensor"].startswith("tq.rotation.")]
+    finished = [e for e in entries if not e["tensor"].startswith("tq.")]  # rotation, guard
     key = next(iter(finished[-1]["digests"]))
     index_slot = None
     with open(journal.parent / ".tq-plan.json") as f:

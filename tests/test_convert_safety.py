@@ -134,7 +134,7 @@ def test_resume_refuses_a_source_changed_where_the_fingerprint_does_not_look(
 
     def stop_after_two(fin: object, nbytes: int) -> None:
         done = len((partial_path(out) / JOURNAL).read_text().splitlines())
-        if done >= 3:  # the rotation, then two tensors
+        if done >= 4:  # the rotation and the guard, then two tensors
             raise Stop
 
     with pytest.raises(Stop):

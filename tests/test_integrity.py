@@ -156,3 +156,36 @@ def test_manifest_digest_ignores_eval_results(converted: Path) -> None:
         manifest_digest(man)
     assert _json(converted / "config.json")["quantization_config"]["manifest_sha256"] == \
         manifest_digest(man)
+
+
+def test_plain_transformers_refuses_to_load_without_tq(converted: Path) -> None:
+    """Without `import tq_cli`, transformers meets the guard tensor where a weight should
+    be and raises, instead of returning a model with random projections."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "try:\n"
+            f"    AutoModelForCausalLM.from_pretrained({str(converted)!r})\n"
+            "except RuntimeError as e:\n"
+            "    print('refused:', e)\n"
+            "    sys.exit(0)\n"
+            "assert 'tq_cli' not in sys.modules\n"
+            "sys.exit('loaded a tq checkpoint without tq')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ignore_mismatched_sizes" in r.stdout
+    man = _json(converted / "tq_manifest.json")
+    assert _entry(man, man["guard"])["action"] == "quantize"
+    assert f"{man['guard']}" in r.stdout + r.stderr
+
+
+def test_with_tq_the_guard_loads_silently(converted: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(converted, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"], info
+    assert not info["mismatched_keys"], info
+    assert not any(n.endswith("q_proj.weight") for n, _ in model.named_parameters())

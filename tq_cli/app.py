@@ -1,9 +1,14 @@
 """The `tq` command line: a Typer app whose subcommands live in tq_cli.commands.
 
-Exit codes: 0 success, 1 a user error (one line on stderr), 2 a usage error.
+Exit codes: 0 success, 1 a user error (one line on stderr), 2 a usage error, 3 a bench
+regression, 130 interrupted. `main` is the one error boundary: nothing reaches the user
+as a traceback unless TQ_DEBUG=1.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import typer
 
@@ -13,6 +18,7 @@ from tq_cli.commands import calibrate as calibrate_cmd
 from tq_cli.commands import convert as convert_cmd
 from tq_cli.commands import eval as eval_cmd
 from tq_cli.commands import search_seed as search_seed_cmd
+from tq_cli.commands._common import one_line, stderr
 
 app = typer.Typer(
     name="tq",
@@ -61,4 +67,11 @@ def _bound_heap_growth() -> None:
 
 def main() -> None:
     _bound_heap_growth()
-    app()
+    try:
+        app()
+    except Exception as e:  # whatever a command let through: still one line
+        if os.environ.get("TQ_DEBUG"):
+            raise
+        message, code = one_line(e)
+        stderr.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        sys.exit(code)

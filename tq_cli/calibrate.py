@@ -117,9 +117,8 @@ def token_sequences(tokenizer: Any, text: Text, samples: int, seqlen: int,
 def calibrate(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: CalibSpec,
               progress: Progress | None = None, warn: Warn | None = None) -> CalibResult:
     """Run SOURCE on calibration text block by block and write H per input group to OUT."""
-    from transformers import AutoTokenizer
-
     from tq_cli.io.source import resolve_source
+    from tq_cli.loader import load_tokenizer
     from tq_cli.plan import make_plan
     from tq_cli.recipe import resolve_recipe
     from tq_cli.spec import QuantSpec, RotationSpec
@@ -156,7 +155,7 @@ def calibrate(source: str | os.PathLike[str], out: str | os.PathLike[str], spec:
         raise UnsupportedError(f"--seqlen {spec.seqlen} is longer than the model's "
                                f"max_position_embeddings ({max_pos}); pass --seqlen {max_pos} "
                                "or less")
-    seqs = token_sequences(AutoTokenizer.from_pretrained(folder), text, spec.samples,
+    seqs = token_sequences(load_tokenizer(folder), text, spec.samples,
                            spec.seqlen, note)
     prefix = getattr(model, "base_model_prefix", "") or ""
     modules = dict(model.named_modules())

@@ -35,8 +35,10 @@ def render_card(manifest: dict) -> str:
         f"| checkpoint size | {s['output_bytes'] / 1e6:.1f} MB "
         f"(source {s['source_bytes'] / 1e6:.1f} MB) |",
         "",
-        "Load it with `tq_cli.load(path)`. Bits per weight count codes, scales, codebooks, "
-        "outliers and rotation material.",
+        "Load it with `tq_cli.load(path)`, or with transformers' `from_pretrained` after "
+        "`import tq_cli` (pip install tq); without tq, transformers refuses this folder with "
+        "a size mismatch rather than run it. Bits per weight count codes, scales, "
+        "codebooks, outliers and rotation material.",
     ]
     evals = manifest.get("eval")
     if evals:

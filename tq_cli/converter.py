@@ -15,10 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tq_cli import __version__
 from tq_cli.convert_spec import ConvertResult, ConvertSpec
 from tq_cli.device import resolve_device
-from tq_cli.errors import OutputError, UnsupportedError
+from tq_cli.errors import OutputError, TqError, UnsupportedError
 from tq_cli.finish import finish
 from tq_cli.io.manifest import write_json
 from tq_cli.io.output import (
@@ -39,6 +41,7 @@ from tq_cli.rotation import ROTATION_PREFIX, Rotation, make_rotation
 from tq_cli.tensor_fit import CalibOptions
 
 __all__ = ["ConvertResult", "ConvertSpec", "convert", "partial_path"]
+GUARD = "tq.guard"  # the guard's journal entry (tq_cli.plan.Plan.guard)
 
 
 ProgressFn = Callable[[Finished, int], None]
@@ -137,19 +140,29 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     except OSError as e:
         raise OutputError(f"{e.filename or partial}: cannot write ({e.strerror})") from e
     try:
-        if not fresh:
-            done = _unchanged_inputs(verified(journal, writer), model, partial)
-            journal.rewrite(list(done.values()))  # drop unverified and cut lines
-        rotations = _write_rotations(plan, writer, journal, done)
-        todo = [t for t in plan.tensors if t.info.name not in done]
-        for fin in stream(todo, writer, rotations, device, spec.allow_nonfinite, warn, calib):
-            entry = {"tensor": fin.plan.info.name, "digests": fin.digests, "record": fin.record}
-            journal.append(entry)
-            done[fin.plan.info.name] = entry
-            if progress:
-                progress(fin, fin.plan.info.nbytes)
-    finally:
-        writer.close()
+        try:
+            if not fresh:
+                done = _unchanged_inputs(verified(journal, writer), model, partial)
+                journal.rewrite(list(done.values()))  # drop unverified and cut lines
+            rotations = _write_rotations(plan, writer, journal, done)
+            todo = [t for t in plan.tensors if t.info.name not in done]
+            for fin in stream(todo, writer, rotations, device, spec.allow_nonfinite, warn,
+                              calib):
+                entry = {"tensor": fin.plan.info.name, "digests": fin.digests,
+                         "record": fin.record}
+                journal.append(entry)
+                done[fin.plan.info.name] = entry
+                if progress:
+                    progress(fin, fin.plan.info.nbytes)
+        finally:
+            writer.close()
+    except TqError:
+        # The input is at fault (a NaN, a damaged shard): resuming cannot help, so a
+        # partial folder this run started is removed. An OSError (disk full) or an
+        # interrupt keeps it for --resume, and so does a run that was itself resuming.
+        if fresh:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     resumed = sum(1 for t in plan.tensors if t.info.name in done) - len(todo)
     result = finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
                      max(resumed, 0), warnings, provenance)
@@ -179,6 +192,11 @@ def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
         entry = {"tensor": name, "digests": digests, "record": {"action": "rotation"}}
         journal.append(entry)
         done[name] = entry
+    if plan.guard is not None and GUARD not in done:
+        digests = {plan.guard: writer.write(plan.guard, torch.zeros(0, dtype=torch.uint8))}
+        entry = {"tensor": GUARD, "digests": digests, "record": {"action": "rotation"}}
+        journal.append(entry)
+        done[GUARD] = entry
     return rotations
 
 

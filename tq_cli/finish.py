@@ -16,7 +16,7 @@ import torch
 from tq_cli import __version__
 from tq_cli.card import render_card
 from tq_cli.convert_spec import ConvertResult, ConvertSpec
-from tq_cli.io.integrity import manifest_digest
+from tq_cli.io.integrity import config_digest, manifest_digest
 from tq_cli.io.manifest import MANIFEST, quantization_config, write_json
 from tq_cli.io.output import PLAN_FILE, copy_other_files, swap_into_place
 from tq_cli.io.safetensors_reader import INDEX_NAME
@@ -81,6 +81,10 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
     files = copy_other_files(plan.source.folder, partial)
     kept_modules = sorted({t.info.name.rsplit(".", 1)[0] for t in plan.tensors
                            if t.action == "keep" and t.info.name.endswith(".weight")})
+    # config.json and the manifest record each other's digest (docs/format.md).
+    config = dict(plan.source.config or {})
+    config["quantization_config"] = quantization_config(
+        spec.quant.model_dump(), spec.rotation.model_dump(), spec.rotation.block, kept_modules)
     manifest: dict = {
         "format_version": FORMAT_VERSION,
         "tq_version": __version__,
@@ -97,17 +101,15 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
         "tensors": tensors,
         "shards": shard_sha,
         "files": files,
+        "guard": plan.guard,
+        "config_sha256": config_digest(config),
     } | provenance
     write_json(partial / MANIFEST, manifest)
     index = {"metadata": {"total_size": sum(s.nbytes for s in plan.layout.slots.values()),
                           "format": "tq", "tq_format_version": FORMAT_VERSION},
              "weight_map": {k: s.shard for k, s in plan.layout.slots.items()}}
     write_json(partial / INDEX_NAME, index)
-    config = dict(plan.source.config or {})
-    block = spec.rotation.block
-    config["quantization_config"] = quantization_config(
-        spec.quant.model_dump(), spec.rotation.model_dump(), block, kept_modules,
-        manifest_digest(manifest))
+    config["quantization_config"]["manifest_sha256"] = manifest_digest(manifest)
     write_json(partial / "config.json", config)
     (partial / "README.md").write_text(render_card(manifest))
     for path in partial.iterdir():

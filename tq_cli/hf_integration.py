@@ -13,6 +13,7 @@ is (or gets) imported.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,10 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
     holder = nn.Module()
     holder.rotation = nn.ModuleDict(rotations)
     model.tq = holder
+    guard = manifest.get("guard")
+    if guard:  # the empty tensor that stops a load without tq (docs/format.md): skip it
+        ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+        model._keys_to_ignore_on_load_unexpected = ignored | {rf"(^|\.){re.escape(guard)}$"}
     return model
 
 

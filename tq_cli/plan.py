@@ -25,6 +25,7 @@ from tq_cli.rotation import ROTATION_PREFIX, material_layout, resolve_block, rot
 from tq_cli.spec import QuantSpec, RotationSpec
 
 Key = tuple[str, str, tuple[int, ...]]
+GUARD_DTYPE = "U8"
 # Embedding tables by the names transformers gives them; they are nn.Embedding, not
 # nn.Linear, so a converted one could never be loaded.
 EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_positions|word_embeddings|position_embeddings"
@@ -66,6 +67,10 @@ class Plan:
     rotations: dict[str, RotationPlan]
     layout: Layout = field(default_factory=Layout)
     extra: dict = field(default_factory=dict)  # calibration and mixed precision, hashed too
+    # An empty U8 tensor under the first converted weight's own name. tq never reads it;
+    # transformers without tq's quantizer finds it where a [out, in] weight should be and
+    # refuses to load ("size mismatch"), instead of running random layers in its place.
+    guard: str | None = None
 
     @property
     def converted(self) -> list[TensorPlan]:
@@ -157,9 +162,12 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
         tensors.append(TensorPlan(info, "quantize", spec, rot, block, rid, keys))
     rotations = {rid: RotationPlan(r.rotation_id, r.spec, r.n, r.block, r.keys, users[rid])
                  for rid, r in rotations.items()}
+    guard = next((t.info.name for t in tensors if t.action == "quantize"), None)
     _check_collisions(source, tensors, rotations)
-    plan = Plan(source, recipe, quant, rotation, tensors, rotations)
+    plan = Plan(source, recipe, quant, rotation, tensors, rotations, guard=guard)
     groups = [list(r.keys) for r in rotations.values()] + [list(t.keys) for t in tensors]
+    if guard is not None:
+        groups.append([(guard, GUARD_DTYPE, (0,))])
     plan.layout = plan_layout(groups, max_shard_bytes,
                               metadata={"tq_format_version": str(FORMAT_VERSION)})
     return plan

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -103,20 +104,30 @@ class SearchLog:
     def _read(self, path: Path) -> None:
         lines = path.read_text(encoding="utf-8").splitlines()
         for i, line in enumerate(lines):
+            damaged = SeedSearchError(f"{path}: line {i + 1} is damaged; delete the folder "
+                                      f"{self.folder} to start the search over")
             try:
                 rec = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 if i == len(lines) - 1:
                     break  # a line cut by a kill: that score is redone
-                raise SeedSearchError(f"{path}: line {i + 1} is damaged; delete the folder "
-                                      f"{self.folder} to start the search over") from None
+                raise damaged from None
+            if not isinstance(rec, dict):
+                raise damaged
             if "header" in rec:
                 if rec["header"] != self.key_hash:
                     raise SeedSearchError(
                         f"{path}: this search log was made with other settings or another "
                         f"model; delete {self.folder} or choose another -o")
                 continue
-            self.done[(rec["t"], int(rec["s"]), rec["stage"])] = float(rec["score"])
+            try:
+                t, s, stage, score = rec["t"], rec["s"], rec["stage"], float(rec["score"])
+                if not (isinstance(t, str) and isinstance(s, int) and isinstance(stage, str)
+                        and math.isfinite(score)):
+                    raise TypeError
+            except (KeyError, TypeError, ValueError):
+                raise damaged from None
+            self.done[(t, s, stage)] = score
 
     def _line(self, rec: dict[str, Any]) -> None:
         self.file.write(json.dumps(rec) + "\n")

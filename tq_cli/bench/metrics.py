@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tq_cli import __version__
 from tq_cli.errors import TqError
@@ -24,6 +25,25 @@ Kind = Literal["quality", "speed", "memory", "info"]  # info: reported, never ga
 
 class BaselineError(TqError):
     """A baseline file is missing, damaged or has nothing in common with this run."""
+
+
+class _BaselineMetric(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    value: float = Field(allow_inf_nan=False)
+    kind: Kind
+
+
+class _BaselineEnv(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    device_type: str
+
+
+class BaselineDoc(BaseModel):
+    """What the gate reads of a `tq bench --json` result."""
+
+    model_config = ConfigDict(extra="allow")
+    metrics: dict[str, _BaselineMetric]
+    environment: _BaselineEnv
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,17 @@ def worse_by(metric: Metric, baseline: float) -> float:
     return (baseline - metric.value) / abs(baseline)
 
 
+def check_baseline(baseline: Any, name: str = "baseline") -> BaselineDoc:
+    """The baseline validated, or a BaselineError naming the file and its first bad field."""
+    try:
+        return BaselineDoc.model_validate(baseline)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise BaselineError(f"{name}: invalid at '{where}': {err['msg']}; write one with "
+                            "tq bench --json FILE") from None
+
+
 def compare(current: dict[str, Metric], current_device: str, baseline: dict[str, Any],
             max_regression: float, max_slowdown: float) -> Comparison:
     """Gate `current` against a baseline result (the JSON `tq bench --json` writes).
@@ -78,11 +109,9 @@ def compare(current: dict[str, Metric], current_device: str, baseline: dict[str,
     Quality metrics use `max_regression`; speed and memory use `max_slowdown` and are
     only compared when the baseline ran on the same kind of device (cpu vs cuda).
     """
-    try:
-        base_metrics = baseline["metrics"]
-        base_device = baseline["environment"]["device_type"]
-    except (KeyError, TypeError) as e:
-        raise BaselineError(f"baseline has no {e}; write one with tq bench --json FILE") from e
+    doc = check_baseline(baseline)
+    base_metrics = {k: m.model_dump() for k, m in doc.metrics.items()}
+    base_device = doc.environment.device_type
     skipped: list[str] = []
     regressions: list[Regression] = []
     compared = 0

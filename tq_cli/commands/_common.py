@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,16 +36,40 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(code=1)
 
 
+def one_line(e: BaseException) -> tuple[str, int]:
+    """The CLI's one error boundary: any exception as (one line for stderr, exit code).
+
+    tq's own errors are the user's to fix (1); an OSError names its file (1); Ctrl-C is
+    130; anything else is a bug in tq, still one line, with how to get the traceback.
+    """
+    if isinstance(e, TqError):
+        return " ".join(str(e).split("\n")), 1
+    if isinstance(e, OSError):  # disk full, permissions: name the file, no traceback
+        where = e.filename or "tq"
+        return (f"{where}: {e.strerror or e}; free space or fix permissions, then rerun "
+                "(convert: with --resume)"), 1
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(e, MemoryError):
+        return ("out of memory; use a smaller --context, --batch-size or model, or a "
+                "machine with more memory"), 1
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return (f"internal error: {type(e).__name__}: {first} (a bug in tq; rerun with "
+            "TQ_DEBUG=1 for the traceback and report it)"), 1
+
+
 def run_library(fn: Callable[[], T]) -> T:
-    """Call into the library, turning its errors into one line and exit code 1."""
+    """Call into the library, turning its errors into one line and their exit code."""
     try:
         return fn()
-    except TqError as e:
-        raise fail(str(e)) from None
-    except OSError as e:  # disk full, permissions: name the file, no traceback
-        where = e.filename or "tq"
-        raise fail(f"{where}: {e.strerror or e}; free space or fix permissions, then rerun "
-                   "(convert: with --resume)") from None
+    except Exception as e:
+        if os.environ.get("TQ_DEBUG") and not isinstance(e, TqError | OSError):
+            raise
+        message, code = one_line(e)
+        if code == 1:
+            raise fail(message) from None
+        stderr.print(message)
+        raise typer.Exit(code=code) from None
     except KeyboardInterrupt:
         stderr.print("interrupted")
         raise typer.Exit(code=130) from None
@@ -77,17 +103,25 @@ def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def progress_bar(unit: Literal["bytes", "count"] = "count", enabled: bool = True) -> Progress:
-    """The one Rich progress bar of every command, on stderr: bytes (convert) or a count
-    (blocks, windows, tensors) done, elapsed and remaining time. Use it as a context."""
-    done = DownloadColumn() if unit == "bytes" else TextColumn("{task.completed}/{task.total}")
-    return Progress(TextColumn("{task.description}"), BarColumn(), done, TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=stderr, transient=False,
-                    disable=not enabled)
-
-
 @contextmanager
-def tensor_progress(enabled: bool = True) -> Iterator[Progress]:
+def progress_bar(unit: Literal["bytes", "count"] = "count",
+                 enabled: bool = True) -> Iterator[Progress]:
+    """The one Rich progress bar of every command, on stderr: bytes (convert) or a count
+    (blocks, windows, tensors) done, elapsed and remaining time. It stays on screen after
+    success and is cleared after an error, so a failure prints exactly one line."""
+    done = DownloadColumn() if unit == "bytes" else TextColumn("{task.completed}/{task.total}")
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), done,
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=stderr,
+                        transient=False, disable=not enabled)
+    with progress:
+        try:
+            yield progress
+        except BaseException as e:
+            if not (isinstance(e, typer.Exit) and e.exit_code == 0):
+                progress.live.transient = True
+            raise
+
+
+def tensor_progress(enabled: bool = True) -> contextlib.AbstractContextManager[Progress]:
     """convert's bar: bytes of the source done, tensors counted in the description."""
-    with progress_bar("bytes", enabled) as progress:
-        yield progress
+    return progress_bar("bytes", enabled)

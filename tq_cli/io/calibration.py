@@ -75,6 +75,14 @@ class Calibration:
                 f"{self.path}: made for model '{made['name']}' ({_short(made['fingerprint'])}), "
                 f"not for the model given, '{source.folder.name}' "
                 f"({_short(source.fingerprint)}); run tq calibrate on {source.folder}")
+        for tname, key in self.meta["tensors"].items():
+            info = source.tensors.get(tname)
+            h = self.entries[f"hessian.{key}"]
+            if info is not None and len(info.shape) == 2 and h.shape[0] != info.shape[1]:
+                raise CalibrationMismatchError(
+                    f"{self.path}: the statistics for '{tname}' are {h.shape[0]} wide, but "
+                    f"the tensor has {info.shape[1]} input columns; the file is damaged, "
+                    f"rerun tq calibrate on {source.folder}")
 
 
 def _short(fingerprint: str) -> str:
@@ -93,7 +101,7 @@ def read_calibration(path: str | os.PathLike[str]) -> Calibration:
                                "tq calibrate") from None
     try:
         meta = json.loads(json.loads(raw)["__metadata__"][META_KEY])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, RecursionError):
         raise CorruptFileError(f"{p}: not a tq calibration file (no '{META_KEY}' metadata); "
                                "make one with tq calibrate") from None
     version = meta.get("format_version") if isinstance(meta, dict) else None

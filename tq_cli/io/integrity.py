@@ -7,7 +7,8 @@ safetensors headers:
 1. the manifest against a schema (every field a reader relies on, with its type);
 2. the manifest's digest against the one `convert` recorded in config.json's
    `quantization_config.manifest_sha256` (the manifest minus its `eval` results, which
-   `tq eval --write-card` appends later);
+   `tq eval --write-card` appends later), and config.json's (without its
+   quantization_config) against the `config_sha256` the manifest records;
 3. the storage the manifest implies (each converted tensor's codes, scales, codebook and
    outliers follow from its bits, group size and shape; each rotation's material from
    its kind, width and block) against the index's `weight_map` and every shard's header:
@@ -28,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from tq_cli.errors import CorruptFileError
-from tq_cli.io.manifest import MANIFEST, QUANT_METHOD
+from tq_cli.io.manifest import MANIFEST, QUANT_METHOD, loads_strict
 from tq_cli.io.safetensors_reader import DTYPES, INDEX_NAME, read_header
 from tq_cli.io.writer import file_sha256
 from tq_cli.quantizer import storage_layout
@@ -76,11 +77,22 @@ class ManifestSchema(_Loose):
     tensors: list[_Tensor]
     rotations: dict[str, _Rotation] = Field(default_factory=dict)
     shards: dict[str, str]
+    guard: str | None = None
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
     """sha256 of the manifest as converted: canonical JSON without the `eval` results."""
     body = {k: v for k, v in manifest.items() if k != "eval"}
+    blob = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """sha256 of config.json as converted, all but the manifest_sha256 inside it (which
+    is written after the manifest that records this digest)."""
+    body = json.loads(json.dumps(config))
+    if isinstance(body.get("quantization_config"), dict):
+        body["quantization_config"].pop("manifest_sha256", None)
     blob = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -130,6 +142,12 @@ def expected_storage(path: Path, m: ManifestSchema) -> dict[str, tuple[str, list
                     f"match its kind, width, block and seed ('{want}'); {HOW}")
         for suffix, (dtype, shape) in storage_layout(t.shape[0], t.shape[1], t.spec).items():
             add(f"{t.name}.{suffix}", dtype, shape, t.name)
+    if m.guard is not None:
+        converted = {t.name for t in m.tensors if t.action == "quantize"}
+        if m.guard not in converted:
+            raise CorruptFileError(f"{path}: guard '{m.guard}' is not a converted tensor; "
+                                   f"{HOW}")
+        add(m.guard, "U8", [0], "guard")
     for rid, r in m.rotations.items():
         if rid != rotation_id(r.kind, r.n, r.block, r.seed):
             raise CorruptFileError(f"{path}: rotation '{rid}' does not match its kind, width, "
@@ -141,7 +159,7 @@ def expected_storage(path: Path, m: ManifestSchema) -> dict[str, tuple[str, list
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return loads_strict(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CorruptFileError(f"{path}: missing; {HOW}") from None
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -162,10 +180,13 @@ def verify_checkpoint(folder: Path, manifest: dict[str, Any],
     if recorded is not None and recorded != manifest_digest(manifest):
         raise CorruptFileError(f"{mpath}: does not match the manifest_sha256 recorded in "
                                f"config.json; {HOW}")
+    if "config_sha256" in manifest and manifest["config_sha256"] != config_digest(config):
+        raise CorruptFileError(f"{folder / 'config.json'}: does not match the config_sha256 "
+                               f"recorded in {MANIFEST}; {HOW}")
     storage = expected_storage(mpath, m)
     index = _read_json(folder / INDEX_NAME)
     wmap = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wmap, dict):
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
         raise CorruptFileError(f"{folder / INDEX_NAME}: no weight_map object; {HOW}")
     for key, shard in wmap.items():
         if key not in storage:

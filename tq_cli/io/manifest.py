@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tq_cli.errors import TqError
 
@@ -21,6 +22,15 @@ class NotACheckpointError(TqError):
     """The folder is not a tq checkpoint."""
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_strict(text: str) -> Any:
+    """json.loads that refuses NaN and Infinity, which Python's json accepts by default."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
 def read_manifest(folder: Path) -> dict:
     """The manifest of a tq folder, checked for a format version this tq can read."""
     path = Path(folder) / MANIFEST
@@ -28,7 +38,7 @@ def read_manifest(folder: Path) -> dict:
         raise NotACheckpointError(
             f"{folder}: not a tq checkpoint (no {MANIFEST}); convert it with `tq convert`")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_strict(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise NotACheckpointError(f"{path}: not valid JSON; the checkpoint is damaged") from e
     if not isinstance(data, dict):
@@ -44,9 +54,9 @@ def read_manifest(folder: Path) -> dict:
 
 
 def quantization_config(quant: dict, rotation: dict, block: int | None,
-                        kept_modules: list[str], manifest_sha256: str) -> dict:
-    """The config.json entry that marks a folder as a TurboQuant checkpoint; it records the
-    manifest's digest (tq_cli.io.integrity.manifest_digest) for readers to check."""
+                        kept_modules: list[str]) -> dict:
+    """The config.json entry that marks a folder as a TurboQuant checkpoint; `finish` adds
+    the manifest's digest (tq_cli.io.integrity.manifest_digest) for readers to check."""
     return {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
@@ -58,7 +68,6 @@ def quantization_config(quant: dict, rotation: dict, block: int | None,
         "rotation_block": block,
         "seed": rotation["seed"],
         "modules_to_not_convert": kept_modules,
-        "manifest_sha256": manifest_sha256,
     }
 
 

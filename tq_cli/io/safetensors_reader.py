@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tq_cli.errors import CorruptFileError, SourceError, UnsupportedError
+from tq_cli.io.manifest import loads_strict
 
 # safetensors dtype name -> (torch dtype, bytes per element). Explicit; never eval'd.
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -227,9 +228,9 @@ def open_source(folder: Path) -> SourceModel:
     cfg = folder / "config.json"
     if cfg.is_file():
         try:
-            config = json.loads(cfg.read_text(encoding="utf-8"))
+            config = loads_strict(cfg.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise CorruptFileError(f"{cfg}: not valid JSON; re-download it") from e
+            raise CorruptFileError(f"{cfg}: not valid JSON ({e}); re-download it") from e
         if not isinstance(config, dict):
             raise CorruptFileError(f"{cfg}: is JSON but not an object of settings; "
                                    "re-download it")
