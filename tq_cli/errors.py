@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class TqError(Exception):
     """A user-facing error: the message names the file, the tensor and the fix."""
@@ -33,3 +38,11 @@ class SeedSearchError(TqError):
 
 class NonFiniteError(TqError):
     """A tensor holds NaN or Inf values."""
+
+
+def first_error(e: ValidationError) -> tuple[str, str]:
+    """(where, what) of a pydantic error's first problem, for one-line messages:
+    ("tensors.3.shape", "Input should be a valid list")."""
+    err = e.errors()[0]
+    return (".".join(str(x) for x in err["loc"]),
+            str(err["msg"]).removeprefix("Value error, "))

@@ -88,7 +88,9 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
     guard = manifest.get("guard")
     if guard:  # the empty tensor that stops a load without tq (docs/format.md): skip it
         ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-        model._keys_to_ignore_on_load_unexpected = ignored | {rf"(^|\.){re.escape(guard)}$"}
+        # nn.Module.__setattr__ is typed for tensors and modules; this is a plain set.
+        object.__setattr__(model, "_keys_to_ignore_on_load_unexpected",
+                           ignored | {rf"(^|\.){re.escape(guard)}$"})
     return model
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from tq_cli.errors import first_error
 from tq_cli.spec import QuantSpec, RotationSpec
 
 
@@ -86,6 +87,5 @@ def flag_of(loc: tuple[int | str, ...], extra: dict[str, str] | None = None) -> 
 
 def usage_message(e: ValidationError, extra: dict[str, str] | None = None) -> str:
     """One line for the first validation error: '--bits: bits must be ...'."""
-    err = e.errors()[0]
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    return f"{flag_of(tuple(err['loc']), extra)}: {msg}"
+    _, what = first_error(e)
+    return f"{flag_of(tuple(e.errors()[0]['loc']), extra)}: {what}"

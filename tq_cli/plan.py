@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from tq_cli import __version__
-from tq_cli.errors import RecipeError, UnsupportedError
+from tq_cli.errors import RecipeError, UnsupportedError, first_error
 from tq_cli.io.manifest import FORMAT_VERSION
 from tq_cli.io.safetensors_reader import FLOAT_DTYPES, SourceModel, TensorInfo
 from tq_cli.io.writer import Layout, plan_layout
@@ -135,7 +135,7 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
         try:
             spec = rule.apply(quant)
         except ValidationError as e:
-            msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+            _, msg = first_error(e)
             raise RecipeError(
                 f"recipe '{recipe.name}': rule '{rule.pattern}' (matching '{info.name}') "
                 f"gives invalid settings: {msg}") from e

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tq_cli.errors import RecipeError
+from tq_cli.errors import RecipeError, first_error
 from tq_cli.spec import CodebookKind, QuantSpec
 
 if TYPE_CHECKING:
@@ -90,11 +90,10 @@ def load_recipe(path: Path | Traversable) -> Recipe:
     try:
         return Recipe(**data)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        if err["type"] == "extra_forbidden":
+        where, what = first_error(e)
+        if e.errors()[0]["type"] == "extra_forbidden":
             raise RecipeError(f"{path.name}: unknown key '{where}'; check the spelling") from e
-        raise RecipeError(f"{path.name}: invalid value at '{where}': {err['msg']}") from e
+        raise RecipeError(f"{path.name}: invalid value at '{where}': {what}") from e
 
 
 def resolve_recipe(name_or_path: str | None, config: dict | None) -> Recipe:

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tq_cli.converter import ConvertSpec, convert
-from tq_cli.errors import TqError
+from tq_cli.errors import TqError, first_error
 from tq_cli.evaluate import EvalSpec, evaluate
 from tq_cli.options import BY_FLAG, nest
 from tq_cli.text import Text
@@ -56,7 +56,7 @@ def to_spec(combo: dict[str, Any]) -> ConvertSpec:
     try:
         return ConvertSpec.model_validate(nest(fields))
     except ValidationError as e:
-        msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        _, msg = first_error(e)
         raise TqError(f"--sweep: combination {combo} is invalid: {msg}") from e
 
 

@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tq_cli import __version__
-from tq_cli.errors import TqError
+from tq_cli.errors import TqError, first_error
 
 Kind = Literal["quality", "speed", "memory", "info"]  # info: reported, never gated
 
@@ -96,9 +96,8 @@ def check_baseline(baseline: Any, name: str = "baseline") -> BaselineDoc:
     try:
         return BaselineDoc.model_validate(baseline)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise BaselineError(f"{name}: invalid at '{where}': {err['msg']}; write one with "
+        where, what = first_error(e)
+        raise BaselineError(f"{name}: invalid at '{where}': {what}; write one with "
                             "tq bench --json FILE") from None
 
 

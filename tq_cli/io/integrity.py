@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from tq_cli.errors import CorruptFileError
+from tq_cli.errors import CorruptFileError, first_error
 from tq_cli.io.manifest import MANIFEST, QUANT_METHOD, loads_strict
 from tq_cli.io.safetensors_reader import DTYPES, INDEX_NAME, read_header
 from tq_cli.io.writer import file_sha256
@@ -101,10 +101,9 @@ def validate_manifest(path: Path, data: dict[str, Any]) -> ManifestSchema:
     try:
         return ManifestSchema.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise CorruptFileError(f"{path}: invalid manifest at '{where}': "
-                               f"{str(err['msg']).removeprefix('Value error, ')}; {HOW}") from None
+        where, what = first_error(e)
+        raise CorruptFileError(f"{path}: invalid manifest at '{where}': {what}; {HOW}") \
+            from None
 
 
 def expected_storage(path: Path, m: ManifestSchema) -> dict[str, tuple[str, list[int]]]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from tq_cli.errors import SeedSearchError
+from tq_cli.errors import SeedSearchError, first_error
 from tq_cli.io.safetensors_reader import SourceModel
 from tq_cli.spec import MAX_SEED, RotationSpec
 
@@ -74,10 +74,8 @@ def read_seeds(path: str | os.PathLike[str], source: SourceModel,
     try:
         doc = SeedsDoc.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise SeedSearchError(f"{p}: invalid seeds file at '{where}': {err['msg']}; "
-                              f"{how}") from None
+        where, what = first_error(e)
+        raise SeedSearchError(f"{p}: invalid seeds file at '{where}': {what}; {how}") from None
     if doc.source.fingerprint != source.fingerprint:
         raise SeedSearchError(
             f"{p}: seeds were searched for model '{doc.source.name}', not for "
