@@ -176,6 +176,9 @@ def verify_checkpoint(folder: Path, manifest: dict[str, Any],
         raise CorruptFileError(f"{folder / 'config.json'}: no quantization_config with "
                                f"quant_method '{QUANT_METHOD}'; {HOW}")
     recorded = qc.get("manifest_sha256")
+    if recorded is None and "config_sha256" in manifest:  # written together since v0.1
+        raise CorruptFileError(f"{folder / 'config.json'}: has no manifest_sha256 although "
+                               f"the manifest records config_sha256; {HOW}")
     if recorded is not None and recorded != manifest_digest(manifest):
         raise CorruptFileError(f"{mpath}: does not match the manifest_sha256 recorded in "
                                f"config.json; {HOW}")
