@@ -43,7 +43,7 @@ lock: install
 	  $(PY) -m pip freeze --exclude-editable | sed -e 's/+cpu$$//' | grep -v '^-e '; } > constraints.txt
 
 demo: install
-	@model=$$($(PY) -m tq_cli.testmodels smollm2) && \
+	@model=$$($(PY) -m tq_cli.demo_model) && \
 	$(VENV)/bin/tq convert "$$model" -o $(DEMO_OUT) --bits 4 --overwrite
 
 test: install

@@ -30,7 +30,7 @@ def main() -> int:
     if args.source:
         src = Path(args.source)
     else:
-        from tq_cli.testmodels import smollm2_folder
+        from tq_cli.demo_model import smollm2_folder
 
         src = smollm2_folder()
     with tempfile.TemporaryDirectory() as tmp:

