@@ -25,7 +25,8 @@ import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 need = ["tq_cli/__init__.py", "tq_cli/bench/__init__.py", "tq_cli/commands/bench.py",
         "tq_cli/io/__init__.py", "tq_kernels/__init__.py", "tq_cli/recipes/llama.toml",
-        "tq_cli/recipes/bert.toml", "tq_cli/recipes/generic.toml"]
+        "tq_cli/recipes/bert.toml", "tq_cli/recipes/generic.toml",
+        "tq_kernels/csrc/tq_cpu.cpp", "tq_kernels/csrc/rows.inc"]
 missing = [n for n in need if n not in names]
 stray = [n for n in names if n.split("/")[0] in ("tests", "scripts", "kernels", "recipes")]
 if missing or stray:

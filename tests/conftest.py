@@ -7,6 +7,12 @@ import os
 import struct
 from pathlib import Path
 
+# Triton reads TRITON_INTERPRET when it is first imported, and transformers may import
+# it from any test module; set it before any of them, so the kernel tests run the
+# Triton interpreter on a machine without CUDA whatever order the modules load in.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from tinymodels import build_tiny_bert, build_tiny_llama

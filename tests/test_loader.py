@@ -16,6 +16,7 @@ from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.quantizer import dequantize
 from tq_cli.spec import QuantSpec, RotationSpec
 from tq_cli.tq_linear import TQLinear
+from tq_kernels import cpu as cpu_kernel
 
 
 @pytest.fixture(scope="module", params=["hadamard", "orthogonal"])
@@ -45,7 +46,9 @@ def test_llama_logits_match_dequantized_model(llama_tq: Path, tiny_llama: Path) 
 
     model = tq_cli.load(llama_tq, device="cpu")
     layers = [m for m in model.modules() if isinstance(m, TQLinear)]
-    assert len(layers) == 14 and all(m.backend == "torch" for m in layers)
+    native = {"cpu-avx512", "cpu-avx2", "cpu-scalar"} if cpu_kernel.available() else {"torch"}
+    assert len(layers) == 14 and all(m.backend in native for m in layers)
+    assert set(model.tq_report["backends"]) <= native
     ref = _dequantized_reference(LlamaForCausalLM, tiny_llama, llama_tq)
     ids = torch.randint(0, 320, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -124,12 +127,39 @@ def test_checksum_mismatch_names_the_shard(llama_tq: Path, tmp_path: Path) -> No
 
 
 def test_rotation_material_must_match_seed(llama_tq: Path, tmp_path: Path) -> None:
+    # Material altered in the shard, and everything that hashes it resealed to match:
+    # only the comparison with a fresh draw from the seed can catch it.
+    from safetensors.torch import load_file, save_file
+
+    from tq_cli.io.integrity import manifest_digest
+    from tq_cli.io.writer import file_sha256
+
     d = _copy(llama_tq, tmp_path)
     man = json.loads((d / "tq_manifest.json").read_text())
     rid = next(iter(man["rotations"]))
-    man["rotations"][rid]["seed"] = 12345
+    key = man["rotations"][rid]["keys"][0]
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = d / index["weight_map"][key]
+    tensors = load_file(shard)
+    tensors[key] = -tensors[key]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    man["shards"][shard.name] = file_sha256(shard)
     (d / "tq_manifest.json").write_text(json.dumps(man))
-    with pytest.raises(TqError, match=f"rotation material '{rid}' does not match its seed 12345"):
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"]["manifest_sha256"] = manifest_digest(man)
+    (d / "config.json").write_text(json.dumps(config))
+    seed = man["rotations"][rid]["seed"]
+    with pytest.raises(TqError, match=f"rotation material '{rid}' does not match its seed {seed}"):
+        tq_cli.load(d)
+
+
+def test_edited_manifest_is_refused(llama_tq: Path, tmp_path: Path) -> None:
+    d = _copy(llama_tq, tmp_path)
+    man = json.loads((d / "tq_manifest.json").read_text())
+    man["rotations"][next(iter(man["rotations"]))]["seed"] = 12345
+    (d / "tq_manifest.json").write_text(json.dumps(man))
+    with pytest.raises(TqError, match=r"tq_manifest\.json: does not match the manifest_sha256 "
+                                      r"recorded in config\.json"):
         tq_cli.load(d)
 
 

@@ -1,8 +1,9 @@
 """TQLinear: a linear layer that computes from packed TurboQuant weights.
 
-forward(x) = grouped_matmul(x @ R, codes, scales, codebook) + outliers + bias, with the
-rotation and the matmul dispatched to Triton on CUDA and to the torch reference
-elsewhere (tq_kernels.dispatch). State-dict keys match format v1: the packed tensors
+forward(x) = grouped_matmul(x @ R, codes, scales, codebook) + outliers + bias, dispatched
+by tq_kernels.dispatch: Triton on CUDA, one call of tq's native kernel on CPU (rotation,
+packed matmul, outliers and bias fused), the torch reference where neither is available
+or TQ_FORCE_REFERENCE is set. State-dict keys match format v1: the packed tensors
 live in a child module named `weight` (`X.weight.codes`, ...), and the rotation
 material in a shared `model.tq.rotation[<id>]` module that layers only reference.
 """
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from tq_kernels import dispatch
-from tq_kernels.reference import add_outliers, dequantize_codes
+from tq_kernels.reference import dequantize_codes
 
 PACKED = ("codes", "scales", "codebook", "outlier_idx", "outlier_val")
 _warned_fallback = False
@@ -85,7 +86,8 @@ class TQLinear(nn.Module):
 
     @property
     def backend(self) -> str:
-        return dispatch.backend_for(self.weight.codes.device)
+        """'triton', 'cpu-avx512', 'cpu-avx2', 'cpu-scalar' or 'torch' (the reference)."""
+        return dispatch.backend_for(self.weight.codes.device, self.bits, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global _warned_fallback
@@ -93,15 +95,12 @@ class TQLinear(nn.Module):
             _warned_fallback = True
             warnings.warn("tq: Triton is unavailable, TQLinear runs the torch reference on "
                           "CUDA (much slower than expected)", RuntimeWarning, stacklevel=2)
-        w = self.weight
-        x_rot = self.rotation.rotate(x) if self.rotation is not None else x
-        y = dispatch.grouped_matmul(x_rot, w.codes, w.scales, w.codebook, bits=self.bits,
-                                    group_size=self.group_size, out_features=self.out_features,
-                                    in_features=self.in_features)
-        y = add_outliers(y, x_rot, w.outlier_idx, w.outlier_val, self.in_features)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+        w, rot = self.weight, self.rotation
+        return dispatch.linear(x, rot.material() if rot is not None else None,
+                               rot.block if rot is not None else 0, w.codes, w.scales,
+                               w.codebook, w.outlier_idx, w.outlier_val, self.bias,
+                               bits=self.bits, group_size=self.group_size,
+                               out_features=self.out_features, in_features=self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """The weight in the original basis, float32 [out, in] (for export or debugging)."""

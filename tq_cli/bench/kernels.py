@@ -1,10 +1,12 @@
-"""Kernel timings: tq's grouped matmul and rotation against torch.nn.functional.linear.
+"""Kernel timings: tq's grouped matmul, rotation and whole layer against F.linear.
 
-Both run on the same device in the same run, and the gated number is their ratio, so a
-slower or busier machine moves both. On CUDA each call is captured in a CUDA graph and
-replayed (launch overhead out, as in a decode loop), and the achieved GB/s of weight
-traffic is set against the device's memory bandwidth. On CPU what runs is the torch
-reference path (dequantize, then matmul), and the table says so.
+Everything runs on the same device in the same run, and the gated numbers are ratios, so
+a slower or busier machine moves both sides. Per shape and batch: tq's matmul alone, the
+rotation alone, the whole TQLinear forward (rotation, matmul, 0.1% outliers, as one call
+on CPU), and `F.linear` with the weight in float32 and in bfloat16. Achieved GB/s of
+weight bytes is set against the memory bandwidth: on CUDA the device's theoretical peak,
+on CPU a large copy measured here (bytes read + written per second). On CUDA each call
+is a replayed CUDA graph (launch overhead out, as in a decode loop).
 
 The codes, scales and codebook are random: the kernels' time does not depend on the
 values, and quantizing a 14336x4096 matrix only to time it would cost a minute.
@@ -30,8 +32,11 @@ from tq_kernels.packing import packed_row_bytes
 SMOLLM2 = [(576, 576), (1536, 576), (576, 1536)]
 LLAMA3_8B = [(4096, 4096), (14336, 4096), (4096, 14336)]
 BATCHES = [1, 4, 16, 64, 256]
+OTHER_BITS_BATCHES = [1, 4, 16]  # 3 and 2 bits in a full run: the GEMV regime
 QUICK_BATCHES = [1, 16]
+FULL_BITS = (4, 3, 2)
 GROUP = 128
+OUTLIERS = 0.001
 
 
 def _sync(device: torch.device) -> None:
@@ -85,72 +90,124 @@ def _graph_time_us(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+def cpu_copy_bandwidth_gb_s(mib: int = 256, reps: int = 5) -> float:
+    """Bytes read + written per second by the fastest of `reps` large tensor copies."""
+    src = torch.ones(mib << 18)  # float32: mib MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def _operands(out_f: int, in_f: int, bits: int, device: torch.device,
-              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes = torch.randint(0, 256, (out_f, packed_row_bytes(in_f, bits)), generator=gen,
-                          dtype=torch.uint8)
-    scales = (torch.rand(out_f, -(-in_f // GROUP), generator=gen) * 0.02 + 0.01).half()
-    codebook = torch.sort(torch.randn(1 << bits, generator=gen)).values
-    return codes.to(device), scales.to(device), codebook.to(device)
+              gen: torch.Generator) -> dict[str, torch.Tensor]:
+    k = int(out_f * in_f * OUTLIERS)
+    idx = torch.unique(torch.randint(0, out_f * in_f, (k,), generator=gen))
+    ops = {
+        "codes": torch.randint(0, 256, (out_f, packed_row_bytes(in_f, bits)), generator=gen,
+                               dtype=torch.uint8),
+        "scales": (torch.rand(out_f, -(-in_f // GROUP), generator=gen) * 0.02 + 0.01).half(),
+        "codebook": torch.sort(torch.randn(1 << bits, generator=gen)).values,
+        "outlier_idx": idx.to(torch.int32),
+        "outlier_val": (torch.randn(idx.numel(), generator=gen) * 0.1).half(),
+    }
+    return {name: t.to(device) for name, t in ops.items()}
+
+
+def _backend_name(device: torch.device, bits: int) -> str:
+    backend = dispatch.backend_for(device, bits, GROUP)
+    return "torch reference (dequantize+matmul)" if backend == "torch" else backend
+
+
+def _shape_rows(out_f: int, in_f: int, bits: int, batches: list[int], device: torch.device,
+                dtype: torch.dtype, gen: torch.Generator, bandwidth: float | None,
+                progress: Callable[[str], None] | None) -> list[dict[str, Any]]:
+    ops = _operands(out_f, in_f, bits, device, gen)
+    weight = torch.randn(out_f, in_f, generator=gen).to(device, dtype)
+    weight_bf16 = weight.to(torch.bfloat16)
+    rot = make_rotation(RotationSpec(kind="hadamard"), in_f, GROUP)
+    assert rot.signs is not None
+    signs = rot.signs.to(device)
+    weight_bytes = sum(ops[k].numel() * ops[k].element_size()
+                       for k in ("codes", "scales", "codebook"))
+    kw = {"bits": bits, "group_size": GROUP, "out_features": out_f, "in_features": in_f}
+    fused = device.type == "cpu" and dispatch.backend_for(device).startswith("cpu-")
+    rows = []
+    for m in batches:
+        if progress:
+            progress(f"kernels {bits}-bit {out_f}x{in_f} batch {m}")
+        x = torch.randn(m, in_f, generator=gen).to(device, dtype)
+        x_bf16 = x.to(torch.bfloat16)
+        t_mm, t_rot, t_layer, t_ref, t_bf16 = time_us([
+            lambda x=x: dispatch.grouped_matmul(  # type: ignore[misc]
+                x, ops["codes"], ops["scales"], ops["codebook"], **kw),
+            lambda x=x: dispatch.rotate(x, signs, GROUP),  # type: ignore[misc]
+            lambda x=x: dispatch.linear(  # type: ignore[misc]
+                x, signs, GROUP, ops["codes"], ops["scales"], ops["codebook"],
+                ops["outlier_idx"], ops["outlier_val"], None, **kw),
+            lambda x=x: F.linear(x, weight),  # type: ignore[misc]
+            lambda x=x_bf16: F.linear(x, weight_bf16),  # type: ignore[misc]
+        ], device)
+        # The layer is one fused call on CPU; elsewhere rotation and matmul run apart and
+        # the sum of the two is what a forward costs (outliers aside).
+        layer = t_layer if fused else t_mm + t_rot
+        row: dict[str, Any] = {
+            "shape": f"{out_f}x{in_f}", "out": out_f, "in": in_f, "batch": m, "bits": bits,
+            "backend": _backend_name(device, bits),
+            "tq_matmul_us": t_mm, "tq_rotate_us": t_rot, "tq_layer_us": t_layer,
+            "torch_linear_us": t_ref, "torch_bf16_us": t_bf16,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "matmul_over_torch": t_mm / t_ref, "with_rotation_over_torch": layer / t_ref,
+            "matmul_over_bf16": t_mm / t_bf16,
+            "tq_gb_s": weight_bytes / t_mm / 1e3,
+            "torch_gb_s": weight.numel() * weight.element_size() / t_ref / 1e3,
+        }
+        if bandwidth:
+            row["memory_gb_s"] = bandwidth
+            row["tq_bandwidth_fraction"] = row["tq_gb_s"] / bandwidth
+        rows.append(row)
+    _sync(device)
+    return rows
 
 
 def run(device: torch.device, quick: bool, bits: int = 4,
         progress: Callable[[str], None] | None = None,
         ) -> tuple[list[dict[str, Any]], dict[str, Metric]]:
     shapes = SMOLLM2 if quick else SMOLLM2 + LLAMA3_8B
-    batches = QUICK_BATCHES if quick else BATCHES
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    backend = dispatch.backend_for(device)
-    backend_name = "triton" if backend == "triton" else "torch reference (dequantize+matmul)"
-    bandwidth = memory_bandwidth_gb_s(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        bandwidth = memory_bandwidth_gb_s(device)
+    else:
+        if progress:
+            progress("kernels: memory bandwidth (large copy)")
+        bandwidth = cpu_copy_bandwidth_gb_s(64 if quick else 256)
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Metric] = {}
-    for out_f, in_f in shapes:
-        codes, scales, codebook = _operands(out_f, in_f, bits, device, gen)
-        weight = torch.randn(out_f, in_f, generator=gen).to(device, dtype)
-        rot = make_rotation(RotationSpec(kind="hadamard"), in_f, GROUP)
-        assert rot.signs is not None
-        signs = rot.signs.to(device)
-        weight_bytes = sum(t.numel() * t.element_size() for t in (codes, scales, codebook))
-        for m in batches:
-            if progress:
-                progress(f"kernels {out_f}x{in_f} batch {m}")
-            x = torch.randn(m, in_f, generator=gen).to(device, dtype)
-            kw = {"bits": bits, "group_size": GROUP, "out_features": out_f,
-                  "in_features": in_f}
-            t_mm, t_rot, t_ref = time_us([
-                lambda x=x, kw=kw, c=codes, s=scales, cb=codebook:  # type: ignore[misc]
-                    dispatch.grouped_matmul(x, c, s, cb, **kw),
-                lambda x=x, sg=signs: dispatch.rotate(x, sg, GROUP),  # type: ignore[misc]
-                lambda x=x, w=weight: F.linear(x, w),  # type: ignore[misc]
-            ], device)
-            row: dict[str, Any] = {
-                "shape": f"{out_f}x{in_f}", "out": out_f, "in": in_f, "batch": m,
-                "bits": bits, "backend": backend_name,
-                "tq_matmul_us": t_mm, "tq_rotate_us": t_rot, "torch_linear_us": t_ref,
-                "torch_dtype": str(dtype).removeprefix("torch."),
-                "matmul_over_torch": t_mm / t_ref, "with_rotation_over_torch":
-                    (t_mm + t_rot) / t_ref,
-                "tq_gb_s": weight_bytes / t_mm / 1e3,
-                "torch_gb_s": weight.numel() * weight.element_size() / t_ref / 1e3,
-            }
-            if bandwidth:
-                row["tq_bandwidth_fraction"] = row["tq_gb_s"] / bandwidth
-            rows.append(row)
-            key = f"kernels.{device.type}.{out_f}x{in_f}.b{m}.{bits}bit"
-            metrics[f"{key}.matmul_over_torch"] = Metric(row["matmul_over_torch"], "info")
-            metrics[f"{key}.with_rotation_over_torch"] = Metric(
-                row["with_rotation_over_torch"], "info")
-        _sync(device)
+    for b in (bits,) if quick else tuple(dict.fromkeys((bits, *FULL_BITS))):
+        batches = QUICK_BATCHES if quick else BATCHES if b == bits else OTHER_BITS_BATCHES
+        for out_f, in_f in shapes:
+            rows += _shape_rows(out_f, in_f, b, batches, device, dtype, gen, bandwidth, progress)
+    for r in rows:
+        key = f"kernels.{device.type}.{r['shape']}.b{r['batch']}.{r['bits']}bit"
+        for col in ("matmul_over_torch", "with_rotation_over_torch", "matmul_over_bf16"):
+            metrics[f"{key}.{col}"] = Metric(r[col], "info")
     # One gated number per section and shape set: single small timings are too noisy to
     # gate on a shared machine, their geometric mean is not.
-    subsets = {"smollm2": [r for r in rows if (r["out"], r["in"]) in SMOLLM2
-                           and r["batch"] in QUICK_BATCHES]}
-    if not quick:
-        subsets["all"] = rows
-    for tag, subset in subsets.items():
-        for col in ("matmul_over_torch", "with_rotation_over_torch"):
-            metrics[f"kernels.{device.type}.{tag}.{bits}bit.geomean_{col}"] = Metric(
-                geomean([r[col] for r in subset]), "speed")
+    for b in sorted({r["bits"] for r in rows}):
+        mine = [r for r in rows if r["bits"] == b]
+        subsets = {"smollm2": [r for r in mine if (r["out"], r["in"]) in SMOLLM2
+                               and r["batch"] in QUICK_BATCHES]}
+        if not quick:
+            subsets["all"] = mine
+        for tag, subset in subsets.items():
+            for col in ("matmul_over_torch", "with_rotation_over_torch"):
+                metrics[f"kernels.{device.type}.{tag}.{b}bit.geomean_{col}"] = Metric(
+                    geomean([r[col] for r in subset]), "speed")
     return rows, metrics

@@ -1,0 +1,120 @@
+"""TQLinear's native CPU kernel, from Python: typed wrappers over `torch.ops.tq_cpu`.
+
+`linear` is a whole TQLinear forward in one call: Hadamard rotation, the packed-weight
+matmul, the sparse outliers and the bias (see csrc/tq_cpu.cpp). The library is built on
+first use (`cpu_build`); if that fails, `available()` is False, one warning says why, and
+`tq_kernels.dispatch` runs the torch reference instead.
+
+Variants are named by instruction set: "avx512", "avx2", "scalar". The best one the CPU
+supports is used; `TQ_CPU_ISA=avx2` (or `scalar`) caps it for a process, and tests pass
+`isa=` to run each variant on the same machine. A layer whose group size does not hold
+whole SIMD chunks runs the widest variant that fits (`kernel_isa`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from tq_kernels import cpu_build
+
+ISAS = ("scalar", "avx2", "avx512")
+
+# From this many activation rows on, dequantizing row blocks once and calling torch's
+# GEMM beats the lookup-table GEMV, which redoes the lookups for every 4 rows. Measured
+# with scripts/bench_cpu_threshold.py on SmolLM2 and Llama-3-8B shapes (2-core AVX-512
+# EPYC): the crossover is at 8-24 rows, depending on width and bits.
+GEMM_MIN_BATCH = 16
+
+
+@functools.lru_cache(maxsize=1)
+def _built() -> cpu_build.Built:
+    built = cpu_build.load()
+    if built.error is not None:
+        warnings.warn(f"tq: CPU kernel unavailable ({built.error}); TQLinear runs the torch "
+                      "reference on CPU (backend 'torch', several times slower)",
+                      RuntimeWarning, stacklevel=4)
+    return built
+
+
+def available() -> bool:
+    """True when the compiled kernel is loaded (compiling it now if needed)."""
+    return _built().path is not None
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError(f"tq's CPU kernel is unavailable: {_built().error}")
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent compiling the kernel (0.0 if it came from the cache)."""
+    return _built().compile_s
+
+
+@functools.lru_cache(maxsize=1)
+def _cap() -> int:
+    _require()
+    best = int(torch.ops.tq_cpu.cpu_isa())
+    want = os.environ.get("TQ_CPU_ISA", "").strip().lower()
+    if not want:
+        return best
+    if want not in ISAS:
+        warnings.warn(f"tq: TQ_CPU_ISA={want!r} is not one of {', '.join(ISAS)}; ignored",
+                      RuntimeWarning, stacklevel=3)
+        return best
+    return min(best, ISAS.index(want))
+
+
+def _isa_index(isa: str | None) -> int:
+    cap = _cap()  # loads the library
+    if isa is None:
+        return cap
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
+    return ISAS.index(isa)
+
+
+def cpu_isa() -> str:
+    """The widest variant this CPU runs (ignoring TQ_CPU_ISA)."""
+    _require()
+    return ISAS[int(torch.ops.tq_cpu.cpu_isa())]
+
+
+def kernel_isa(bits: int, group_size: int, isa: str | None = None) -> str:
+    """The variant a layer of this width and group size runs."""
+    return ISAS[int(torch.ops.tq_cpu.kernel_isa(_isa_index(isa), bits, group_size))]
+
+
+_EMPTY_IDX = torch.empty(0, dtype=torch.int32)
+_EMPTY_VAL = torch.empty(0, dtype=torch.float16)
+
+
+def linear(x: torch.Tensor, signs: torch.Tensor | None, block: int, codes: torch.Tensor,
+           scales: torch.Tensor, codebook: torch.Tensor, outlier_idx: torch.Tensor | None,
+           outlier_val: torch.Tensor | None, bias: torch.Tensor | None, *, bits: int,
+           group_size: int, out_features: int, isa: str | None = None,
+           gemm_min_batch: int | None = None) -> torch.Tensor:
+    """y = rotate(x) @ dequant(W).T + outliers + bias for x [..., in]; y has x's dtype.
+
+    signs None means x is already rotated (orthogonal rotations, or none). gemm_min_batch
+    overrides GEMM_MIN_BATCH (0: never the GEMM path). Operands are passed as they are:
+    the operator converts what is not already in its dtype (a decode step calls this 200
+    times per token, so Python-side conversions would cost more than the matmul).
+    """
+    isa_i = _cap() if isa is None else _isa_index(isa)
+    if outlier_idx is None or outlier_val is None:
+        outlier_idx, outlier_val = _EMPTY_IDX, _EMPTY_VAL
+    return torch.ops.tq_cpu.linear.default(
+        x, signs, block, codes, scales, codebook, outlier_idx, outlier_val, bias, bits,
+        group_size, out_features, isa_i,
+        GEMM_MIN_BATCH if gemm_min_batch is None else gemm_min_batch)
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """x @ R for the blockwise randomized Hadamard R, in x's dtype (reference.rotate)."""
+    _require()
+    return torch.ops.tq_cpu.rotate.default(x, signs, block)

@@ -1,0 +1,136 @@
+"""Build tq's CPU kernel on first use, cache it, and load it into torch.
+
+The C++ source ships inside the package (`tq_kernels/csrc/`). The first process that
+needs it compiles `tq_cpu.cpp` (one translation unit; it includes the per-instruction-set
+headers) with the system C++ compiler against the installed torch's headers, into tq's
+cache (`$TQ_CACHE/kernels`, default `~/.cache/tq/kernels`), named by a hash of the
+sources, the torch version and the compiler, so an upgrade of either builds afresh and
+nothing stale is ever loaded. The library is written to a temporary name and renamed
+into place, so concurrent first uses never see half a file. It registers torch
+operators (`torch.ops.tq_cpu.*`) and is loaded with `torch.ops.load_library`.
+
+No `-march=native`: the SIMD variants are compiled with per-function target pragmas and
+chosen at run time, so a cache shared between machines never runs an instruction a CPU
+lacks. Any failure (no compiler, a compile error, an unwritable cache) is reported by
+`load()` as a reason string, never raised: the caller falls back to the torch reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+MAIN = "tq_cpu.cpp"
+FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", "-w"]
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Built:
+    """The outcome of `load()`: a loaded library, or why there is none."""
+
+    path: Path | None
+    compile_s: float  # 0.0 when the cached library was used
+    error: str | None = None
+
+
+def cache_dir() -> Path:
+    """`$TQ_CACHE/kernels`, else `~/.cache/tq/kernels` (tq's cache, as in tq_cli)."""
+    root = os.environ.get("TQ_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "tq") / "kernels"
+
+
+def compiler() -> str | None:
+    """$CXX, else the first of c++, g++, clang++ on PATH."""
+    env = os.environ.get("CXX")
+    if env:
+        return env
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _torch_dirs() -> tuple[list[str], str]:
+    root = Path(torch.__file__).parent
+    return [str(root / "include"), str(root / "include" / "torch" / "csrc" / "api" / "include")], \
+        str(root / "lib")
+
+
+def _command(cxx: str, src: Path, out: Path) -> list[str]:
+    includes, lib = _torch_dirs()
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{CSRC}",
+            *(f"-isystem{d}" for d in includes), str(src), "-o", str(out), f"-L{lib}",
+            "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}"]
+
+
+def build_key(cxx: str) -> str:
+    """Hash of everything the library depends on: sources, torch, compiler, flags."""
+    h = hashlib.sha256()
+    for f in sorted(CSRC.iterdir()):
+        if f.suffix in (".cpp", ".h", ".inc"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    for part in (torch.__version__, version, cxx, " ".join(FLAGS), platform.machine(),
+                 str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", ""))):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _compile(cxx: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(_command(cxx, CSRC / MAIN, Path(tmp)), capture_output=True,
+                              text=True, timeout=900)
+        if proc.returncode != 0:
+            log = target.with_suffix(".log")
+            log.write_text(" ".join(_command(cxx, CSRC / MAIN, Path(tmp))) + "\n\n"
+                           + proc.stdout + proc.stderr)
+            lines = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+            first = (lines or proc.stderr.strip().splitlines() or ["no output"])[0]
+            raise RuntimeError(f"{Path(cxx).name} failed: {first.strip()[:200]} (full log: {log})")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> Built:
+    """Load the cached library, compiling it first if needed; never raises."""
+    with _lock:
+        t0 = time.perf_counter()
+        cxx = compiler()
+        if cxx is None:
+            return Built(None, 0.0, "no C++ compiler found (install g++ or set CXX)")
+        try:
+            target = cache_dir() / f"tq_cpu-{build_key(cxx)}.so"
+            compiled = not target.exists()
+            if compiled:
+                try:
+                    _compile(cxx, target)
+                except OSError:  # an unwritable cache: build for this process only
+                    target = Path(tempfile.mkdtemp(prefix="tq-kernels-")) / target.name
+                    _compile(cxx, target)
+            torch.ops.load_library(str(target))
+        except Exception as e:  # a failed build must never stop a model from running
+            return Built(None, 0.0, str(e) or type(e).__name__)
+        return Built(target, time.perf_counter() - t0 if compiled else 0.0)

@@ -1,0 +1,366 @@
+// tq's CPU kernel: TQLinear's forward on packed format-v1 weights, as torch operators.
+//
+//   torch.ops.tq_cpu.linear(x, signs?, block, codes, scales, codebook, outlier_idx,
+//                           outlier_val, bias?, bits, group_size, out_features, isa,
+//                           gemm_min_batch) -> y
+//
+// One call rotates x (blockwise Hadamard, O(n log b)), multiplies it with the packed
+// weight, adds the sparse outliers and the bias: the same result as tq_kernels.reference
+// (rotate -> grouped_matmul -> add_outliers -> + bias), accumulated in float32.
+// Below gemm_min_batch activation rows it is a lookup-table GEMV that reads the packed
+// weight once, parallel over output rows on torch's own OpenMP pool (so it never fights
+// torch's spinning threads); from gemm_min_batch rows on it dequantizes row blocks into a
+// reused buffer and calls torch's BLAS GEMM. The SIMD variant is picked at run time with
+// __builtin_cpu_supports, so a cached build never executes an instruction the CPU lacks.
+// Compiled once per torch version and source by tq_kernels/cpu_build.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "avx2.h"
+#include "avx512.h"
+#include "common.h"
+#include "scalar.h"
+
+namespace tqcpu {
+namespace {
+
+int best_isa() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return kAvx2;
+#endif
+  return kScalar;
+}
+
+using RowsFn = void (*)(const Problem&, int64_t, int64_t);
+using DequantFn = void (*)(const Problem&, float*, int64_t, int64_t, int64_t);
+using PermuteFn = void (*)(const float*, float*, int64_t, int64_t);
+using FwhtFn = void (*)(float*, int64_t);
+
+struct Kernels {
+  RowsFn gemv;
+  DequantFn dequant;
+  PermuteFn permute;  // x into the variant's layout (common.h)
+  FwhtFn fwht;
+};
+
+constexpr Kernels kScalarKernels{&scalar::gemv_rows, &scalar::dequant_rows, &permute_identity,
+                                 &fwht_scalar};
+
+template <int BITS>
+Kernels simd_kernels(int isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == kAvx512)
+    return {&avx512::gemv_rows<BITS>, &avx512::dequant_rows<BITS>,
+            &avx512::permute_row<BITS>, &avx512::fwht};
+  if (isa == kAvx2)
+    return {&avx2::gemv_rows<BITS>, &avx2::dequant_rows<BITS>, &avx2::permute_row<BITS>,
+            &avx2::fwht};
+#endif
+  (void)isa;
+  return kScalarKernels;
+}
+
+Kernels kernels_for(int isa, int bits) {
+  switch (isa == kScalar ? 0 : bits) {
+    case 2: return simd_kernels<2>(isa);
+    case 3: return simd_kernels<3>(isa);
+    case 4: return simd_kernels<4>(isa);
+    case 8: return simd_kernels<8>(isa);
+    default: return kScalarKernels;
+  }
+}
+
+// Blocks of the blockwise Hadamard rotation (tq_kernels/rotation.py hadamard_blocks):
+// n // block full blocks, then the rest split into powers of two, largest first.
+std::vector<std::pair<int64_t, int64_t>> hadamard_blocks(int64_t n, int64_t block) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t start = 0;
+  for (; start + block <= n; start += block) out.emplace_back(start, block);
+  for (int64_t size = block / 2; size >= 1; size /= 2)
+    if (n - start >= size) {
+      out.emplace_back(start, size);
+      start += size;
+    }
+  return out;
+}
+
+struct Prep {
+  const int8_t* signs;  // null: x is already rotated
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  Kernels kernels;
+  int64_t n, K;
+};
+
+// Activation rows m0..m1: to float, rotated (xr, natural order: the outliers read it),
+// then permuted into the variant's layout and zero-padded to K columns (xp).
+template <typename T>
+void prep_rows(const Prep& p, const T* x, float* xr, float* xp, int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const T* src = x + m * p.n;
+    float* r = xr + m * p.n;
+    if (p.signs != nullptr) {
+      for (int64_t c = 0; c < p.n; ++c) r[c] = static_cast<float>(src[c]) * p.signs[c];
+      for (const auto& [start, size] : p.blocks) p.kernels.fwht(r + start, size);
+    } else {
+      for (int64_t c = 0; c < p.n; ++c) r[c] = static_cast<float>(src[c]);
+    }
+    p.kernels.permute(r, xp + m * p.K, p.n, p.K);
+  }
+}
+
+struct Outliers {
+  const int32_t* idx;  // ascending row-major flat indices (docs/format.md)
+  const uint16_t* val;  // fp16 bits
+  int64_t k;
+  int64_t first(int64_t flat) const {
+    return std::lower_bound(idx, idx + k, flat) - idx;
+  }
+};
+
+// y[:, r0:r1] += x_rot @ S[r0:r1].T and + bias, walking the sorted outliers row by row.
+void epilogue(const Problem& P, const float* xr, const Outliers& o, const float* bias,
+              int64_t r0, int64_t r1) {
+  int64_t j = o.first(r0 * P.n);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t base = r * P.n, end = base + P.n;
+    for (; j < o.k && o.idx[j] < end; ++j) {
+      const int64_t c = o.idx[j] - base;
+      const float v = half_to_float(o.val[j]);
+      for (int64_t m = 0; m < P.M; ++m) P.y[m * P.ldy + r] += xr[m * P.n + c] * v;
+    }
+    if (bias != nullptr)
+      for (int64_t m = 0; m < P.M; ++m) P.y[m * P.ldy + r] += bias[r];
+  }
+}
+
+// Enough work per task that waking a second thread pays for itself (measured on
+// SmolLM2's 576-wide rows; see tq_kernels/cpu.py).
+int64_t row_grain(int64_t n, int64_t M) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, n * std::min<int64_t>(M, 8)));
+}
+
+constexpr int64_t kBufferBytes = int64_t{8} << 20;  // per GEMM block: stays in L3
+
+void gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outliers& o,
+               const at::Tensor& xp, const at::Tensor& y) {
+  static thread_local at::Tensor buffer;  // reused across layers and calls
+  const int64_t out = y.size(1);
+  const int64_t rows = std::clamp<int64_t>(kBufferBytes / (P.K * 4), 1, out);
+  if (!buffer.defined() || buffer.numel() < rows * P.K)
+    buffer = at::empty({rows * P.K}, xp.options());
+  for (int64_t b0 = 0; b0 < out; b0 += rows) {
+    const int64_t b1 = std::min(out, b0 + rows);
+    float* W = buffer.data_ptr<float>();
+    at::parallel_for(b0, b1, 16, [&](int64_t r0, int64_t r1) {
+      dequant(P, W + (r0 - b0) * P.K, P.K, r0, r1);
+      int64_t j = o.first(r0 * P.n);
+      for (int64_t r = r0; r < r1; ++r) {  // outliers go into W, so the GEMM adds them
+        const int64_t base = r * P.n, end = base + P.n;
+        for (; j < o.k && o.idx[j] < end; ++j)
+          W[(r - b0) * P.K + layout_pos(L, o.idx[j] - base)] += half_to_float(o.val[j]);
+      }
+    });
+    at::Tensor w = buffer.narrow(0, 0, (b1 - b0) * P.K).view({b1 - b0, P.K});
+    at::Tensor dst = y.narrow(1, b0, b1 - b0);
+    at::mm_out(dst, xp, w.t());
+  }
+}
+
+// Operands in the dtype and layout the kernels read. For a loaded checkpoint, whose
+// buffers already are, these cost nothing (no dispatcher call), so the Python side passes
+// tensors untouched: a decode step makes ~200 of these calls per token.
+at::Tensor as(const at::Tensor& t, at::ScalarType dt) {
+  if (t.scalar_type() == dt) return t.contiguous();
+  return t.to(dt).contiguous();
+}
+
+// x [..., n], contiguous, in float32, bfloat16 or float16 (other dtypes go via float32).
+at::Tensor activations(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "tq_cpu: x must be a CPU tensor");
+  const auto dt = x.scalar_type();
+  if (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) return x.contiguous();
+  return as(x, at::kFloat);
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  return shape;
+}
+
+// Per-thread scratch for the small-batch path: at::empty costs about a microsecond.
+float* scratch(std::vector<float>& buf, size_t n) {
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+void prep_all(const Prep& prep, const at::Tensor& x2, int64_t M, float* xr, float* xp) {
+  const auto dt = x2.scalar_type();
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / prep.n), [&](int64_t m0, int64_t m1) {
+    if (dt == at::kFloat) prep_rows(prep, x2.data_ptr<float>(), xr, xp, m0, m1);
+    else if (dt == at::kBFloat16) prep_rows(prep, x2.data_ptr<c10::BFloat16>(), xr, xp, m0, m1);
+    else prep_rows(prep, x2.data_ptr<c10::Half>(), xr, xp, m0, m1);
+  });
+}
+
+// float32 results y [M, out] into `dst` (x's shape and dtype; dst may alias y when float).
+void store(const float* y, at::Tensor& dst) {
+  const auto dt = dst.scalar_type();
+  const int64_t total = dst.numel();
+  if (dt == at::kFloat) {
+    if (dst.data_ptr<float>() != y) std::memcpy(dst.data_ptr<float>(), y, total * sizeof(float));
+  } else if (dt == at::kBFloat16) {
+    c10::BFloat16* d = dst.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < total; ++i) d[i] = c10::BFloat16(y[i]);
+  } else {
+    c10::Half* d = dst.data_ptr<c10::Half>();
+    for (int64_t i = 0; i < total; ++i) d[i] = c10::Half(y[i]);
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, int64_t block,
+                  const at::Tensor& codes_in, const at::Tensor& scales_in,
+                  const at::Tensor& codebook_in, const at::Tensor& outlier_idx_in,
+                  const at::Tensor& outlier_val_in, const std::optional<at::Tensor>& bias,
+                  int64_t bits, int64_t group_size, int64_t out_features, int64_t isa,
+                  int64_t gemm_min_batch) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, "tq_cpu.linear: bits must be 1-8, got ", bits);
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, "tq_cpu.linear: bad group size ",
+              group_size);
+  const at::Tensor x2 = activations(x);
+  const int64_t n = x2.size(-1), M = n > 0 ? x2.numel() / n : 0, out = out_features;
+  const int64_t npad = (n + 7) / 8 * 8, groups = (n + group_size - 1) / group_size;
+  const at::Tensor codes = codes_in.contiguous(), scales = as(scales_in, at::kHalf),
+                   codebook = as(codebook_in, at::kFloat),
+                   outlier_idx = as(outlier_idx_in, at::kInt),
+                   outlier_val = as(outlier_val_in, at::kHalf);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(0) == out &&
+                  codes.size(1) == npad * bits / 8,
+              "tq_cpu.linear: codes must be uint8 [", out, ", ", npad * bits / 8, "]");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == out && scales.size(1) == groups,
+              "tq_cpu.linear: scales must be [", out, ", ", groups, "]");
+  TORCH_CHECK(codebook.numel() == (int64_t{1} << bits), "tq_cpu.linear: codebook must have ",
+              int64_t{1} << bits, " levels");
+  const int64_t k = outlier_idx.numel();
+  TORCH_CHECK(outlier_val.numel() == k, "tq_cpu.linear: outlier indices and values differ in "
+              "length");
+  const int32_t* oi = outlier_idx.data_ptr<int32_t>();
+  for (int64_t j = 1; j < k; ++j)
+    TORCH_CHECK(oi[j] > oi[j - 1], "tq_cpu.linear: outlier_idx must be strictly ascending "
+                "(format v1, docs/format.md)");
+  TORCH_CHECK(k == 0 || (oi[0] >= 0 && oi[k - 1] < out * n), "tq_cpu.linear: outlier_idx out "
+              "of range");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out, "tq_cpu.linear: bias must have ", out, " elements");
+    bias_f = as(*bias, at::kFloat);
+  }
+  at::Tensor signs_c;
+  if (signs.has_value() && signs->defined()) {
+    TORCH_CHECK(signs->numel() == n && block > 0 && (block & (block - 1)) == 0,
+                "tq_cpu.linear: signs must have ", n, " entries and block be a power of two");
+    signs_c = as(*signs, at::kChar);
+  }
+
+  const int eisa = effective_isa(std::min<int64_t>(isa, best_isa()), static_cast<int>(bits),
+                                 group_size);
+  const Layout L = layout_for(eisa, static_cast<int>(bits));
+  const int64_t K = (n + L.chunk - 1) / L.chunk * L.chunk;
+  const bool gemm = gemm_min_batch > 0 && M >= gemm_min_batch;
+  at::Tensor dst = at::empty(out_shape(x, out), x.options().dtype(
+      x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf ? x.scalar_type()
+                                                                       : at::kFloat));
+  static thread_local std::vector<float> act_buf, y_buf;
+  at::Tensor xp_t, y_t;  // the GEMM path's operands; the GEMV path uses scratch
+  float *xr, *xp, *y;
+  if (gemm) {
+    const auto fopt = x2.options().dtype(at::kFloat);
+    xp_t = at::empty({M, K}, fopt);
+    y_t = dst.scalar_type() == at::kFloat ? dst.view({M, out}) : at::empty({M, out}, fopt);
+    xr = scratch(act_buf, M * n);
+    xp = xp_t.data_ptr<float>();
+    y = y_t.data_ptr<float>();
+  } else {
+    xr = scratch(act_buf, M * (n + K));
+    xp = xr + M * n;
+    y = dst.scalar_type() == at::kFloat ? dst.data_ptr<float>() : scratch(y_buf, M * out);
+  }
+  const Kernels kern = kernels_for(eisa, static_cast<int>(bits));
+  const Prep prep{signs_c.defined() ? signs_c.data_ptr<int8_t>() : nullptr,
+                  signs_c.defined() ? hadamard_blocks(n, block) : decltype(Prep::blocks){},
+                  kern, n, K};
+  prep_all(prep, x2, M, xr, xp);
+
+  const Planes pl = planes_for(static_cast<int>(bits));
+  const Problem P{codes.data_ptr<uint8_t>(), codes.size(1), npad * pl.width[0] / 8,
+                  reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), groups,
+                  codebook.data_ptr<float>(), static_cast<int>(bits), group_size, n, npad, K,
+                  M, xp, y, out};
+  const Outliers o{oi, reinterpret_cast<const uint16_t*>(outlier_val.data_ptr<at::Half>()), k};
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (gemm) {
+    gemm_path(P, kern.dequant, L, o, xp_t, y_t);
+    if (bp != nullptr)
+      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t r = 0; r < out; ++r) y[m * out + r] += bp[r];
+      });
+  } else {
+    at::parallel_for(0, out, row_grain(n, M), [&](int64_t r0, int64_t r1) {
+      kern.gemv(P, r0, r1);
+      epilogue(P, xr, o, bp, r0, r1);
+    });
+  }
+  store(y, dst);
+  return x.scalar_type() == dst.scalar_type() ? dst : dst.to(x.scalar_type());
+}
+
+// x @ R for the blockwise randomized Hadamard R, in x's dtype (reference.rotate).
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, int64_t block) {
+  const at::Tensor x2 = activations(x);
+  const int64_t n = x2.size(-1), M = n > 0 ? x2.numel() / n : 0;
+  TORCH_CHECK(signs.numel() == n && block > 0 && (block & (block - 1)) == 0,
+              "tq_cpu.rotate: signs must have ", n, " entries and block be a power of two");
+  const at::Tensor sc = as(signs, at::kChar);
+  // Any width gives the variant's FWHT; the layout is the identity (8-bit), so K = n.
+  const Prep prep{sc.data_ptr<int8_t>(), hadamard_blocks(n, block),
+                  kernels_for(effective_isa(best_isa(), 8, 16), 8), n, n};
+  at::Tensor xr = at::empty(x.sizes(), x2.options().dtype(at::kFloat));
+  std::vector<float> unused(M * n);
+  prep_all(prep, x2, M, xr.data_ptr<float>(), unused.data());
+  return x.scalar_type() == at::kFloat ? xr : xr.to(x.scalar_type());
+}
+
+int64_t cpu_isa() { return best_isa(); }
+
+int64_t kernel_isa(int64_t isa, int64_t bits, int64_t group_size) {
+  return effective_isa(std::min<int64_t>(isa, best_isa()), static_cast<int>(bits), group_size);
+}
+
+}  // namespace
+}  // namespace tqcpu
+
+TORCH_LIBRARY(tq_cpu, m) {
+  m.def("linear(Tensor x, Tensor? signs, int block, Tensor codes, Tensor scales, "
+        "Tensor codebook, Tensor outlier_idx, Tensor outlier_val, Tensor? bias, int bits, "
+        "int group_size, int out_features, int isa, int gemm_min_batch) -> Tensor",
+        &tqcpu::linear);
+  m.def("rotate(Tensor x, Tensor signs, int block) -> Tensor", &tqcpu::rotate);
+  m.def("cpu_isa() -> int", &tqcpu::cpu_isa);
+  m.def("kernel_isa(int isa, int bits, int group_size) -> int", &tqcpu::kernel_isa);
+}

@@ -1,0 +1,202 @@
+"""tq's native CPU kernel, every variant this CPU runs, against the torch reference.
+
+Each SIMD variant is forced with `isa=` (the C++ side never runs one the CPU lacks, so a
+variant above this CPU's is skipped, not silently replaced). Both regimes are covered:
+the lookup-table GEMV (gemm_min_batch=0) and dequantize-then-GEMM (gemm_min_batch=1).
+The comparison is with the reference in float32 on the same input values, so the
+tolerance for bf16/fp16 activations is one rounding of the output, not the reference's
+own intermediate roundings.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+from tq_cli.quantizer import QuantizedTensor, quantize
+from tq_cli.rotation import make_rotation
+from tq_cli.spec import QuantSpec, RotationSpec
+from tq_kernels import cpu, cpu_build, dispatch, reference
+
+if cpu_build.compiler() is None:
+    pytest.skip("no C++ compiler on this machine (install g++ or set CXX): tq runs the torch "
+                "reference on CPU", allow_module_level=True)
+
+OUT = 40
+RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
+
+
+def _runs(isa: str) -> None:
+    if cpu.ISAS.index(isa) > cpu.ISAS.index(cpu.cpu_isa()):
+        pytest.skip(f"this CPU has no {isa} (best: {cpu.cpu_isa()})")
+
+
+@functools.cache
+def _quantized(bits: int, n: int, group: int) -> QuantizedTensor:
+    g = torch.Generator().manual_seed(bits * 1000 + n + group)
+    w = torch.randn(OUT, n, generator=g)
+    return quantize(w, QuantSpec(bits=bits, group_size=group, outliers=0.004),
+                    RotationSpec(kind="none"))
+
+
+def _signs(n: int, block: int) -> torch.Tensor:
+    rot = make_rotation(RotationSpec(kind="hadamard", seed=3), n, block)
+    assert rot.signs is not None
+    return rot.signs
+
+
+def _want(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | None, block: int,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    """The reference TQLinear forward in float32 on x's values."""
+    xf = x.float()
+    xr = reference.rotate(xf, signs, block) if signs is not None else xf
+    y = reference.grouped_matmul(xr, q.codes, q.scales, q.codebook, bits=q.spec.bits,
+                                 group_size=q.spec.group_size, out_features=OUT,
+                                 in_features=x.shape[-1])
+    y = reference.add_outliers(y, xr, q.outlier_idx, q.outlier_val, x.shape[-1])
+    return y + bias.float() if bias is not None else y
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype and got.shape == want.shape
+    scale = float(want.abs().max())
+    err = (got.float() - want).abs()
+    bound = 2e-6 * scale + RTOL[dtype] * want.abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize("isa", cpu.ISAS)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize(("n", "group"), [(576, 64), (200, 64)])  # 200: a partial last group
+@pytest.mark.parametrize("batch", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gemm", [False, True], ids=["gemv", "gemm"])
+def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch: int,
+                                  dtype: torch.dtype, gemm: bool) -> None:
+    _runs(isa)
+    q = _quantized(bits, n, group)
+    g = torch.Generator().manual_seed(batch + n)
+    x = torch.randn(batch, n, generator=g).to(dtype)
+    bias = torch.randn(OUT, generator=g)
+    signs = _signs(n, 64)
+    got = cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
+                     q.outlier_val, bias, bits=bits, group_size=group, out_features=OUT,
+                     isa=isa, gemm_min_batch=1 if gemm else 0)
+    _check(got, _want(x, q, signs, 64, bias), dtype)
+
+
+@pytest.mark.parametrize("isa", cpu.ISAS)
+@pytest.mark.parametrize(("bits", "n", "group"), [(3, 200, 32), (4, 136, 24), (2, 96, 8),
+                                                  (8, 72, 8), (4, 8, 8)])
+@pytest.mark.parametrize("gemm", [False, True], ids=["gemv", "gemm"])
+def test_odd_groups_and_widths(isa: str, bits: int, n: int, group: int, gemm: bool) -> None:
+    """Groups that do not hold whole SIMD chunks run a narrower variant, still exact."""
+    _runs(isa)
+    q = _quantized(bits, n, group)
+    x = torch.randn(5, n, generator=torch.Generator().manual_seed(n))
+    got = cpu.linear(x, None, 0, q.codes, q.scales, q.codebook, q.outlier_idx, q.outlier_val,
+                     None, bits=bits, group_size=group, out_features=OUT, isa=isa,
+                     gemm_min_batch=1 if gemm else 0)
+    _check(got, _want(x, q, None, 0, None), torch.float32)
+
+
+def test_kernel_isa_follows_group_size() -> None:
+    best = cpu.cpu_isa()
+    assert cpu.kernel_isa(4, 128) == best
+    assert cpu.kernel_isa(5, 128) == "scalar"  # no SIMD path for 5-bit codes
+    assert cpu.kernel_isa(4, 8) == "scalar"
+    if best == "avx512":
+        assert cpu.kernel_isa(3, 32) == "avx2"  # a 64-code AVX-512 chunk straddles groups
+
+
+@pytest.mark.parametrize(("n", "block"), [(576, 128), (200, 64), (96, 32), (8, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_matches_reference(n: int, block: int, dtype: torch.dtype) -> None:
+    signs = _signs(n, block)
+    x = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    got = cpu.rotate(x, signs, block)
+    want = reference.rotate(x, signs, block)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-6 if dtype == torch.float32 else 2.0**-8
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_outliers_are_added_exactly() -> None:
+    """A zero codebook leaves only the outliers: y must be exactly x @ S.T + bias."""
+    n, out = 24, 3
+    codes = torch.zeros(out, n // 2, dtype=torch.uint8)
+    scales = torch.ones(out, 1, dtype=torch.float16)
+    idx = torch.tensor([0, 23, 24 + 5, 2 * 24 + 23], dtype=torch.int32)
+    val = torch.tensor([0.5, -2.0, 4.0, 0.25], dtype=torch.float16)
+    x = torch.arange(2 * n, dtype=torch.float32).reshape(2, n)
+    bias = torch.tensor([1.0, 2.0, 3.0])
+    for isa in cpu.ISAS[: cpu.ISAS.index(cpu.cpu_isa()) + 1]:
+        for gmb in (0, 1):
+            y = cpu.linear(x, None, 0, codes, scales, torch.zeros(16), idx, val, bias, bits=4,
+                           group_size=24, out_features=out, isa=isa, gemm_min_batch=gmb)
+            want = torch.tensor([[0.5 * 0 - 2 * 23 + 1, 4.0 * 5 + 2, 0.25 * 23 + 3],
+                                 [0.5 * 24 - 2 * 47 + 1, 4.0 * 29 + 2, 0.25 * 47 + 3]])
+            assert torch.equal(y, want), (isa, gmb, y)
+
+
+def test_unsorted_outliers_are_refused() -> None:
+    q = _quantized(4, 200, 64)
+    idx = q.outlier_idx.flip(0)
+    with pytest.raises(RuntimeError, match="strictly ascending"):
+        cpu.linear(torch.randn(1, 200), None, 0, q.codes, q.scales, q.codebook, idx,
+                   q.outlier_val, None, bits=4, group_size=64, out_features=OUT)
+
+
+def test_leading_dims_and_orthogonal_rotation_through_dispatch() -> None:
+    n = 200
+    q = _quantized(4, n, 64)
+    rot = make_rotation(RotationSpec(kind="orthogonal", seed=2), n, 64)
+    material = (rot.matrix, rot.tail)
+    x = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(9))
+    kw = {"bits": 4, "group_size": 64, "out_features": OUT, "in_features": n}
+    got = dispatch.linear(x, material, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
+                          q.outlier_val, None, **kw)
+    xr = reference.rotate(x, material, 64)
+    want = reference.add_outliers(
+        reference.grouped_matmul(xr, q.codes, q.scales, q.codebook, **kw), xr, q.outlier_idx,
+        q.outlier_val, n)
+    assert got.shape == (2, 3, OUT)
+    assert torch.allclose(got, want, atol=2e-6 * float(want.abs().max()), rtol=0)
+
+
+def test_force_reference_and_gradients_take_the_reference(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    assert dispatch.backend_for("cpu", 4, 128) == f"cpu-{cpu.kernel_isa(4, 128)}"
+    monkeypatch.setenv("TQ_FORCE_REFERENCE", "1")
+    assert dispatch.backend_for("cpu", 4, 128) == "torch"
+    monkeypatch.delenv("TQ_FORCE_REFERENCE")
+    q = _quantized(4, 200, 64)
+    x = torch.randn(2, 200, requires_grad=True)
+    y = dispatch.linear(x, None, 0, q.codes, q.scales, q.codebook, q.outlier_idx,
+                        q.outlier_val, None, bits=4, group_size=64, out_features=OUT,
+                        in_features=200)
+    y.sum().backward()  # the native op has no gradient: the reference ran
+    assert x.grad is not None
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: object) -> None:
+    monkeypatch.setenv("TQ_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    built = cpu_build.load()  # never raises
+    assert built.path is None and built.error
+    monkeypatch.setattr(cpu_build, "load", lambda: built)
+    cpu._built.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not cpu.available() and not cpu.available()
+            assert dispatch.backend_for("cpu") == "torch"
+        assert len(caught) == 1 and "runs the torch reference" in str(caught[0].message)
+    finally:
+        monkeypatch.undo()
+        cpu._built.cache_clear()
+    assert cpu.available()
