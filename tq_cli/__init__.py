@@ -5,6 +5,7 @@ Library API (the CLI is a thin layer over these):
     quantize(weight, spec, rotation)  -> QuantizedTensor (pure)
     dequantize(q)                     -> Tensor (pure)
     load(path_or_hub_id)              -> a transformers model with TQLinear layers
+    kv_cache(model, bits=3.5)         -> a TurboQuant KV cache for generate()
 
 Once tq_cli is imported, `transformers.AutoModel*.from_pretrained(tq_folder)` works too:
 the turboquant quantizer registers itself as soon as transformers is imported (at once
@@ -27,11 +28,15 @@ _LAZY = {
     "RotationSpec": "tq_cli.spec",
     "TqError": "tq_cli.errors",
     "load": "tq_cli.loader",
+    "kv_cache": "tq_cli.kvcache.cache",
+    "KVSpec": "tq_cli.kvcache.spec",
 }
 
 if TYPE_CHECKING:
     from tq_cli.converter import ConvertSpec, convert
     from tq_cli.errors import TqError
+    from tq_cli.kvcache.cache import kv_cache
+    from tq_cli.kvcache.spec import KVSpec
     from tq_cli.loader import load
     from tq_cli.quantizer import QuantizedTensor, dequantize, quantize
     from tq_cli.spec import QuantSpec, RotationSpec
@@ -93,5 +98,5 @@ def _install_hook() -> None:
 
 _install_hook()
 
-__all__ = ["ConvertSpec", "QuantSpec", "QuantizedTensor", "RotationSpec", "TqError",
-           "__version__", "convert", "dequantize", "load", "quantize"]
+__all__ = ["ConvertSpec", "KVSpec", "QuantSpec", "QuantizedTensor", "RotationSpec", "TqError",
+           "__version__", "convert", "dequantize", "kv_cache", "load", "quantize"]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tq_cli.errors import SourceError, TqError
+from tq_cli.errors import TqError, UnsupportedError
 from tq_cli.io.manifest import MANIFEST
 from tq_cli.io.source import resolve_source
 from tq_cli.text import Text, paragraphs
@@ -88,13 +88,21 @@ def load_model(source: str | Path, device: torch.device) -> tuple[nn.Module, Pat
         from tq_cli.loader import load
 
         return load(folder, device=device, dtype=torch.float32), folder
-    from tq_cli.loader import model_class
+    from tq_cli.loader import load_plain
 
-    cfg = folder / "config.json"
-    if not cfg.is_file():
-        raise SourceError(f"{folder}: no config.json; pass a model folder or a tq checkpoint")
-    cls = model_class(json.loads(cfg.read_text()))
-    return cls.from_pretrained(folder, dtype=torch.float32).to(device).eval(), folder
+    return load_plain(folder, device), folder
+
+
+def tokenizer_folder(folder: Path) -> Path:
+    """The folder holding a model's tokenizer: its own, or for a tq checkpoint without
+    one, its source's (from the manifest)."""
+    if (folder / "tokenizer_config.json").exists() or not is_tq_folder(folder):
+        return folder
+    src = Path(json.loads((folder / MANIFEST).read_text())["source"]["path"])
+    if (src / "tokenizer_config.json").exists():
+        return src
+    raise TqError(f"{folder}: no tokenizer here or in its source {src}; copy the source's "
+                  f"tokenizer files into {folder}")
 
 
 def is_causal(model: nn.Module) -> bool:
@@ -199,9 +207,8 @@ def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: Eva
     `cache` keeps the loaded reference between calls (a sweep evaluates many candidates
     against one reference).
     """
-    from transformers import AutoTokenizer
-
     from tq_cli.device import resolve_device
+    from tq_cli.loader import load_tokenizer
 
     device = resolve_device(spec.device)
     t0 = time.perf_counter()
@@ -214,12 +221,17 @@ def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: Eva
         if cache is not None:
             cache[ref_src] = (ref, ref_folder)
     tok_folder = cand_folder if (cand_folder / "tokenizer_config.json").exists() else ref_folder
-    tokenizer = AutoTokenizer.from_pretrained(tok_folder)
+    tokenizer = load_tokenizer(tok_folder)
     settings: dict[str, Any] = {
         "text_source": text.source, "text_sha256": text.sha256, "device": str(device),
         "dtype": "float32",
     }
     if is_causal(ref):
+        longest = getattr(ref.config, "max_position_embeddings", None)
+        if isinstance(longest, int) and spec.context > longest:
+            raise UnsupportedError(
+                f"{ref_folder}: --context {spec.context} is longer than the model supports "
+                f"(max_position_embeddings {longest}); pass --context {longest} or less")
         ids = tokenizer(text.text, return_tensors="pt").input_ids[0]
         if spec.max_tokens:
             ids = ids[: spec.max_tokens]

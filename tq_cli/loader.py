@@ -9,16 +9,18 @@ converted layers are TQLinear from the start and no full-size weight is ever all
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from tq_cli.device import resolve_device
-from tq_cli.errors import CorruptFileError, TqError
+from tq_cli.errors import CorruptFileError, SourceError, TqError
 from tq_cli.io.checkpoint import check_checkpoint
 from tq_cli.io.source import resolve_source
 from tq_cli.tq_linear import TQLinear
@@ -48,14 +50,22 @@ def model_class(config: dict) -> Any:
 
 
 def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | None = None,
-         dtype: torch.dtype | None = None, verify_checksums: bool = True) -> nn.Module:
+         dtype: torch.dtype | None = None, verify_checksums: bool = True,
+         kv_bits: float | None = None, kv_window: int = 128) -> nn.Module:
     """Load a tq checkpoint as a transformers model whose converted layers are TQLinear.
 
     device: None picks CUDA when available, else CPU; "cuda" without CUDA is an error.
     dtype: of activations and kept tensors; default float16 on CUDA, float32 on CPU.
+    kv_bits: when given, `generate()` uses a TurboQuant KV cache at these bits (with
+    `kv_window` recent tokens in full precision) unless it is passed a cache.
     """
     dev = resolve_device(device)
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
+    kv_spec = None
+    if kv_bits is not None:  # checked before any loading
+        from tq_cli.kvcache.cache import make_spec
+
+        kv_spec = make_spec(kv_bits, kv_window)
     folder = resolve_source(path_or_hub_id)
     ck = check_checkpoint(folder, verify_checksums)
     try:
@@ -82,6 +92,10 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
             f"{folder}: {converted} tensors were converted but {len(layers)} TQLinear layers "
             "were built; is tq_cli imported before transformers loads the model?")
     model.tq_report = report(model)
+    if kv_spec is not None:
+        from tq_cli.kvcache.cache import use_kv_cache
+
+        use_kv_cache(model, kv_spec)
     log.info("tq: %d TQLinear layers, backends %s", len(layers),
              dict(model.tq_report["backends"]))
     return model
@@ -99,3 +113,42 @@ def report(model: nn.Module) -> dict:
     return {"layers": len(layers), "backends": Counter(m.backend for m in layers),
             "packed_bytes": packed, "rotation_bytes": rot, "tq_bytes": packed + rot,
             "fp16_bytes": fp16}
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer through transformers, or a one-line SourceError saying what
+    to copy there (transformers' own errors run to many lines)."""
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise SourceError(f"{folder}: no usable tokenizer ({first}); copy the model's "
+                          "tokenizer files (tokenizer.json, tokenizer_config.json) into "
+                          "it") from None
+
+
+def load_plain(folder: Path, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A model folder that is not a tq checkpoint, through transformers, in eval mode."""
+    cfg = folder / "config.json"
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError
+    except FileNotFoundError:
+        raise SourceError(f"{folder}: no config.json; pass a model folder or a tq "
+                          "checkpoint") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise CorruptFileError(f"{cfg}: not a JSON object of settings; re-download it") \
+            from None
+    cls = model_class(config)
+    try:
+        model = cls.from_pretrained(folder, dtype=dtype)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise SourceError(f"{folder}: transformers cannot load this model ({first}); pass a "
+                          "folder with config.json and safetensors weights") from None
+    return model.to(device).eval()

@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
-from tq_cli.bench import conversion, kernels, quality
+from tq_cli.bench import conversion, kernels, kv, quality
 from tq_cli.bench.metrics import Comparison, Metric, compare, environment
 
 SECTIONS = ("quality", "kernels", "conversion")
+# Run only when asked for (--section kv): it times a 30-layer model at 8k context.
+OPTIONAL_SECTIONS = ("kv",)
 RESULT_VERSION = 1
 
 
@@ -78,6 +80,9 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
             with tempfile.TemporaryDirectory(prefix="tq-bench-") as tmp:
                 sections["conversion"], m = conversion.run(spec.device, spec.quick,
                                                            Path(tmp), spec.bits, progress)
+        metrics.update(m)
+    if "kv" in spec.sections:
+        sections["kv"], m = kv.run(spec.device, spec.quick, progress)
         metrics.update(m)
     return BenchResult(spec, sections, metrics, environment(spec.device),
                        time.perf_counter() - t0)

@@ -21,7 +21,9 @@ rotation: deterministic, gated by --max-regression), kernels (tq matmul and rota
 against torch.nn.functional.linear in the same run) and conversion (tq convert against a
 plain safetensors read+write of the same synthetic model, and its peak RSS). Timings are
 compared as ratios from the same run, gated by --max-slowdown, and only against a
-baseline from the same kind of device.
+baseline from the same kind of device. kv (only with --section kv): KV cache bytes per
+token against bf16 at 2k/8k/32k and its decode time per token against a full-precision
+cache.
 
 Exit codes: 0 ok, 1 error, 2 usage error, 3 a metric regressed beyond its limit.
 
@@ -43,13 +45,15 @@ def _fmt(v: Any) -> str:
 
 HEADERS = {
     "group_size": "group", "rel_error": "rel. error", "bits_per_weight": "bits/w",
-    "tq_matmul_us": "tq µs", "tq_rotate_us": "rot µs", "torch_linear_us": "torch µs",
-    "matmul_over_torch": "tq/torch", "with_rotation_over_torch": "+rot/torch",
-    "tq_gb_s": "tq GB/s", "torch_gb_s": "torch GB/s", "tq_bandwidth_fraction": "of peak",
+    "tq_matmul_us": "tq µs", "tq_rotate_us": "rot µs", "tq_layer_us": "layer µs",
+    "torch_linear_us": "torch µs", "torch_bf16_us": "bf16 µs",
+    "matmul_over_torch": "tq/torch", "with_rotation_over_torch": "layer/torch",
+    "matmul_over_bf16": "tq/bf16",
+    "tq_gb_s": "tq GB/s", "torch_gb_s": "torch GB/s", "tq_bandwidth_fraction": "of bw",
     "source_mb": "MB", "convert_s": "convert s", "copy_s": "copy s",
     "convert_over_copy": "convert/copy", "convert_mb_s": "MB/s", "peak_rss_mb": "peak RSS MB",
 }
-TEXT_COLUMNS = ("matrix", "method", "rotation", "shape", "model", "backend")
+TEXT_COLUMNS = ("matrix", "method", "rotation", "shape", "model", "backend", "cache")
 
 
 def _table(title: str, rows: list[dict[str, Any]], cols: list[str],
@@ -72,22 +76,40 @@ def print_tables(result: dict[str, Any]) -> None:
                             "512x1536 fixed-seed matrices; bits/w charges the rotation "
                             "material to this one matrix (a model shares it per width)"))
     if s.get("kernels"):
-        backend = s["kernels"][0]["backend"]
-        cols = ["shape", "batch", "tq_matmul_us", "tq_rotate_us", "torch_linear_us",
-                "matmul_over_torch", "with_rotation_over_torch", "tq_gb_s", "torch_gb_s"]
-        if "tq_bandwidth_fraction" in s["kernels"][0]:
+        k0 = s["kernels"][0]
+        cols = ["shape", "bits", "batch", "tq_matmul_us", "tq_rotate_us", "tq_layer_us",
+                "torch_linear_us", "torch_bf16_us", "matmul_over_torch",
+                "with_rotation_over_torch", "matmul_over_bf16", "tq_gb_s"]
+        caption = ("medians; random codes, 0.1% outliers; layer = rotation + matmul + "
+                   "outliers; GB/s of weight bytes read")
+        if "tq_bandwidth_fraction" in k0:
             cols.append("tq_bandwidth_fraction")
-        stdout.print(_table(f"Kernels: {backend} vs F.linear {s['kernels'][0]['torch_dtype']}",
-                            s["kernels"], cols, "medians; random 4-bit codes; GB/s of weight "
-                            "bytes read"))
+            caption += f"; of bw: tq GB/s over {k0.get('memory_gb_s', 0):.1f} GB/s"
+        stdout.print(_table(f"Kernels: {k0['backend']} vs F.linear {k0['torch_dtype']} and "
+                            "bfloat16", s["kernels"], cols, caption))
     if "conversion" in s:
         stdout.print(_table("Conversion vs safetensors load_file+save_file", s["conversion"],
                             ["model", "source_mb", "convert_s", "copy_s", "convert_over_copy",
                              "convert_mb_s", "peak_rss_mb", "bits_per_weight"]))
+    if s.get("kv"):
+        print_kv_tables(s["kv"])
     env = result["environment"]
     stdout.print(f"{result['mode']} run in {result['seconds']:.1f} s on {env['device_name']} "
                  f"({env['device_type']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
                  f"triton {env['triton']}, CUDA {env['cuda']})", highlight=False)
+
+
+def print_kv_tables(rows: list[dict[str, Any]]) -> None:
+    mem = [r for r in rows if r["table"] == "memory"]
+    dec = [r for r in rows if r["table"] == "decode"]
+    stdout.print(_table("KV cache memory per token (SmolLM2-135M shapes, 128-token window)",
+                        mem, ["context", "bits", "key_bits", "value_bits", "bytes_per_token",
+                              "bf16_bytes_per_token", "vs_bf16", "bits_per_element"],
+                        "codes + fp16 norms + the window at 16 bits + channel orders + "
+                        "shared rotations"))
+    stdout.print(_table("KV cache decode time per token (random SmolLM2-shaped model)", dec,
+                        ["context", "layers", "cache", "ms_per_token", "overhead"],
+                        "medians; overhead against the full-precision cache, same run"))
 
 
 def _read_baseline(path: Path) -> dict[str, Any]:
@@ -95,12 +117,20 @@ def _read_baseline(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise fail(f"{path}: no such baseline; write one with tq bench --json {path}") from None
-    except ValueError:
+    except IsADirectoryError:
+        raise fail(f"{path}: is a folder, not a baseline; pass the JSON file tq bench --json "
+                   "wrote") from None
+    except OSError as e:
+        raise fail(f"{path}: cannot read the baseline ({e.strerror})") from None
+    except (ValueError, RecursionError):
         raise fail(f"{path}: not a tq bench JSON result; regenerate it with "
                    f"tq bench --json {path}") from None
     if not isinstance(data, dict) or "metrics" not in data:
         raise fail(f"{path}: not a tq bench JSON result (no 'metrics'); regenerate it with "
                    f"tq bench --json {path}")
+    from tq_cli.bench.metrics import check_baseline
+
+    run_library(lambda: check_baseline(data, str(path)))  # before the run, not after it
     return data
 
 
@@ -118,21 +148,21 @@ def main(
     max_slowdown: float = typer.Option(0.5, "--max-slowdown", min=0.0,
                                        help="Allowed fractional worsening of a timing ratio "
                                             "or of peak memory."),
-    section: list[str] = typer.Option([], "--section", help="quality | kernels | conversion "
+    section: list[str] = typer.Option([], "--section", help="quality | kernels | conversion | kv "
                                       "(repeatable; default all)."),
     scratch: Path | None = typer.Option(None, "--scratch", help="Folder for the synthetic "
                                         "model (kept between runs); default a temp folder."),
 ) -> None:
-    from tq_cli.bench import SECTIONS, BenchSpec, run_bench
+    from tq_cli.bench import OPTIONAL_SECTIONS, SECTIONS, BenchSpec, run_bench
     from tq_cli.device import resolve_device
 
     if device not in ("auto", "cpu", "cuda"):
         stderr.print(f"[bold red]usage error:[/] --device: '{device}' is not auto, cpu or cuda")
         raise typer.Exit(code=2)
-    bad = [s for s in section if s not in SECTIONS]
+    bad = [s for s in section if s not in SECTIONS + OPTIONAL_SECTIONS]
     if bad:
         stderr.print(f"[bold red]usage error:[/] --section: '{bad[0]}' is not one of "
-                     f"{', '.join(SECTIONS)}")
+                     f"{', '.join(SECTIONS + OPTIONAL_SECTIONS)}")
         raise typer.Exit(code=2)
     base = _read_baseline(baseline) if baseline is not None else None
     dev = run_library(lambda: resolve_device(device))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,17 @@ EPILOG = """Examples:
   tq eval ./smol-tq4 --reference ./SmolLM2-135M --context 1024 --stride 512 --json
 
   tq eval ./SmolLM2-135M --sweep "bits=3,4 rotation=none,hadamard group-size=64,128"
+
+  tq eval ./SmolLM2-135M --kv-bits 4,3.5,3,2.5 --kv-window 128 --needle
+
+KV cache (--kv-bits): each window's first half is prefilled through the cache, the rest
+is scored in chunks of --kv-chunk tokens that read it, against the same model with a
+full-precision cache. Items: average bits (3.5 = keys 4 + values 3 with --kv-split kv),
+or k<bits>, v<bits>, k<bits>v<bits> (a stream not named stays full precision).
 """
 
 
-def _progress() -> Progress:
+def _progress() -> contextlib.AbstractContextManager[Progress]:
     return progress_bar()
 
 
@@ -34,7 +42,8 @@ def main(
                                               "source)."),
     text: Path | None = typer.Option(None, "--text", help="UTF-8 text file (default: the "
                                                            "embedded pydoc evaluation split)."),
-    context: int = typer.Option(512, "--context", help="Tokens per window."),
+    context: int | None = typer.Option(None, "--context", help="Tokens per window (default "
+                                       "512; 2048 with --kv-bits or --needle)."),
     stride: int | None = typer.Option(None, "--stride",
                                       help="Sliding-window stride (default: non-overlapping)."),
     max_tokens: int = typer.Option(8192, "--max-tokens",
@@ -49,6 +58,29 @@ def main(
     write_card: bool = typer.Option(False, "--write-card",
                                     help="Add the result to the candidate's card and manifest."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    kv_bits: str | None = typer.Option(None, "--kv-bits", help="Measure TurboQuant KV caches "
+                                       "instead of weights, e.g. 4,3.5,3,2.5 or k4,v3."),
+    kv_window: int = typer.Option(128, "--kv-window", help="Recent tokens kept in full "
+                                  "precision."),
+    kv_split: str = typer.Option("kv", "--kv-split", help="Fractional bits: kv (keys get the "
+                                 "extra bit) | outlier (a fixed channel set at one more bit)."),
+    kv_sinks: int = typer.Option(0, "--kv-sinks", help="First tokens kept in full precision."),
+    kv_full_layers: str = typer.Option("", "--kv-full-layers", help="Layers kept in full "
+                                       "precision, e.g. 0,-1."),
+    kv_rotation: str = typer.Option("hadamard", "--kv-rotation", help="hadamard | orthogonal."),
+    kv_sliding: str = typer.Option("full", "--kv-sliding", help="Sliding-window layers: full "
+                                   "(kept in full precision) | quantize."),
+    kv_qjl: bool = typer.Option(False, "--kv-qjl", help="Keys: 1 bit of the budget on a QJL "
+                                "sketch of the residual (unbiased inner products)."),
+    kv_chunk: int = typer.Option(32, "--kv-chunk", help="Tokens per scoring forward."),
+    kv_compare: str = typer.Option("", "--kv-compare", help="Also transformers' QuantizedCache"
+                                   " at the integer --kv-bits: quanto,hqq."),
+    needle: bool = typer.Option(False, "--needle", help="Passkey retrieval (greedy, exact "
+                                "match) with each cache and a full-precision one."),
+    needle_lengths: str = typer.Option("2048,4096", "--needle-lengths",
+                                       help="Prompt lengths in tokens."),
+    needle_seeds: int = typer.Option(2, "--needle-seeds", help="Passkeys per length and "
+                                     "depth (5 depths)."),
 ) -> None:
     from tq_cli.evaluate import EvalSpec
     from tq_cli.text import read_text
@@ -56,9 +88,17 @@ def main(
     if device not in ("auto", "cpu", "cuda"):
         stderr.print(f"[bold red]usage error:[/] --device: '{device}' is not auto, cpu or cuda")
         raise typer.Exit(code=2)
-    spec = EvalSpec(context=context, stride=stride, max_tokens=max_tokens or None,
-                    device=device)
+    kv = kv_bits is not None or needle
+    spec = EvalSpec(context=context or (2048 if kv else 512), stride=stride,
+                    max_tokens=max_tokens or None, device=device)
     body = run_library(lambda: read_text(text))
+    if kv:
+        options = {"sinks": kv_sinks, "rotation": kv_rotation, "qjl": kv_qjl,
+                   "sliding": kv_sliding,
+                   "full_precision_layers": _ints(kv_full_layers, "--kv-full-layers")}
+        _kv(candidate, body, spec, kv_bits or "", kv_window, kv_split, options, kv_chunk,
+            kv_compare, needle, needle_lengths, needle_seeds, as_json)
+        return
     if sweep is not None:
         _sweep(candidate, sweep, rtn, body, spec, scratch, as_json)
         return
@@ -146,3 +186,82 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
     return t
 
 
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        stderr.print(f"[bold red]usage error:[/] {flag}: '{text}' is not a list of integers")
+        raise typer.Exit(code=2) from None
+
+
+def _kv(candidate: str, body: Any, spec: Any, items: str, window: int, split: str,
+        options: dict[str, Any], chunk: int, compare: str, needle: bool, lengths: str,
+        seeds: int, as_json: bool) -> None:
+    from tq_cli.kvcache.evaluate import KVEvalSpec, evaluate_kv, parse_settings
+    from tq_cli.kvcache.needle import NeedleSpec
+
+    if split not in ("kv", "outlier"):
+        stderr.print(f"[bold red]usage error:[/] --kv-split: '{split}' is not kv or outlier")
+        raise typer.Exit(code=2)
+    for flag, key, allowed in (("--kv-rotation", "rotation", ("hadamard", "orthogonal")),
+                               ("--kv-sliding", "sliding", ("full", "quantize"))):
+        if options[key] not in allowed:
+            stderr.print(f"[bold red]usage error:[/] {flag}: '{options[key]}' is not "
+                         f"{' or '.join(allowed)}")
+            raise typer.Exit(code=2)
+    backends = tuple(b.strip() for b in compare.split(",") if b.strip())
+    settings = (run_library(lambda: parse_settings(items, window, split,  # type: ignore[arg-type]
+                                                   backends, **options)) if items else [])
+    needle_spec = (NeedleSpec(lengths=_ints(lengths, "--needle-lengths"),
+                              seeds=tuple(range(seeds))) if needle else None)
+    kv_spec = KVEvalSpec(context=spec.context, chunk=chunk, needle=needle_spec)
+    with _progress() as bar:
+        task = bar.add_task("kv cache", total=None)
+        result = run_library(lambda: evaluate_kv(
+            candidate, body, settings, spec, kv_spec,
+            progress=lambda done, total: bar.update(task, completed=done, total=total)))
+    if as_json:
+        emit_json(result)
+    else:
+        stdout.print(kv_table(result))
+
+
+def kv_table(r: dict[str, Any]) -> Table:
+    m, s = r["metrics"], r["settings"]
+    needle = r.get("needle") or {}
+    t = Table(title=f"tq eval --kv-bits: {r['candidate']}")
+    for c in ("cache", "bits/elem", "vs bf16", "ppl", "ppl change", "KL", "top-1", "K err",
+              "V err", "forward s"):
+        t.add_column(c, justify="left" if c == "cache" else "right")
+    if needle:
+        t.add_column("passkey", justify="right")
+
+    def found(label: str) -> list[str]:
+        if not needle:
+            return []
+        n = needle[label]
+        per = ", ".join(f"{k}: {v['found']}/{v['total']}" for k, v in n["by_length"].items())
+        return [per]
+
+    def err(x: float | None) -> str:
+        return "" if x is None else f"{x:.4f}"
+
+    if m is None:  # --needle alone
+        t.add_row("full precision", "16", "1.00", "", "", "", "", "", "", "", *found("full"))
+        return t
+    t.add_row("full precision", "16", "1.00", f"{m['reference_perplexity']:.4f}", "",
+              "", "", "", "", f"{m['reference_forward_seconds']:.1f}", *found("full"))
+    for row in m["rows"]:
+        t.add_row(row["label"], f"{row['bits_per_element']:.3f}",
+                  f"{16 / row['bits_per_element']:.2f}", f"{row['perplexity']:.4f}",
+                  f"{row['perplexity_change']:+.2%}", f"{row['kl_mean']:.5f}",
+                  f"{row['top1_agreement']:.4f}", err(row.get("key_rel_error")),
+                  err(row.get("value_rel_error")), f"{row['forward_seconds']:.1f}",
+                  *found(row["label"]))
+    t.caption = (f"context {s['context']} (prefill {s['prefill']}, chunks of {s['chunk']}), "
+                 f"{m['windows']} windows, {m['scored_tokens']} scored tokens; bits/elem at "
+                 "that context, full-precision parts counted at 16 bits; K/V err: relative "
+                 "squared error of the coded tokens")
+    return t

@@ -1,0 +1,138 @@
+"""KV cache benchmark: bytes per token against bf16 at long contexts, and what the cache
+costs per decoded token.
+
+Memory: a TurboQuant cache is filled with `context` random key/value tokens shaped like
+SmolLM2-135M's attention (30 layers, 3 KV heads, head_dim 64, the default 128-token
+full-precision window) and its bytes are counted as stored: packed codes, fp16 norms,
+the window at 16 bits, channel orders and the shared rotation matrices. Every layer
+stores the same, so one layer is filled and multiplied; the rotations are counted once.
+Deterministic, so its ratios are gated like quality.
+
+Decode: a randomly initialised SmolLM2-shaped model (fewer layers in a quick run) is
+prefilled once with `context` tokens; then the same decode steps run through a copy of
+that prefill in a full-precision cache and in each TurboQuant cache, alternately, and
+the per-token medians are compared. On CPU this is the torch path: each step decodes
+the whole coded past of every layer.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tq_cli.bench.metrics import Metric
+
+LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, HEADS, FFN = 30, 3, 64, 576, 9, 1536
+WINDOW = 128
+BITS = (4.0, 3.5, 3.0, 2.5)
+CONTEXTS = (2048, 8192, 32768)
+QUICK_CONTEXTS = (2048, 8192)
+DECODE = {"quick": (2, (512,), 8), "full": (LAYERS, (2048, 8192), 16)}  # layers, ctx, steps
+
+
+def _config(layers: int, context: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=49152, hidden_size=HIDDEN, intermediate_size=FFN,
+                       num_hidden_layers=layers, num_attention_heads=HEADS,
+                       num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                       max_position_embeddings=max(context + 64, 2048),
+                       tie_word_embeddings=True)
+
+
+def memory_row(context: int, bits: float, device: torch.device) -> dict[str, Any]:
+    from tq_cli.kvcache.cache import kv_cache
+    from tq_cli.kvcache.layers import TurboQuantLayer
+
+    cache = kv_cache(_config(1, context), bits=bits, window=WINDOW)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, KV_HEADS, context, HEAD_DIM, generator=gen).to(device, torch.bfloat16)
+    v = torch.randn(1, KV_HEADS, context, HEAD_DIM, generator=gen).to(device, torch.bfloat16)
+    cache.update(k, v, 0)
+    layer = cache.layers[0]
+    assert isinstance(layer, TurboQuantLayer)
+    mem = layer.memory()
+    per_layer = mem["code_bytes"] + mem["full_elements"] * 2 + mem["side_bytes"]
+    total = LAYERS * per_layer + cache.bank.material_bytes()
+    bf16 = LAYERS * 2 * mem["elements"]
+    spec = cache.spec
+    return {"table": "memory", "context": context, "bits": bits,
+            "key_bits": spec.key_bits, "value_bits": spec.value_bits,
+            "bytes_per_token": total / context, "bf16_bytes_per_token": bf16 / context,
+            "vs_bf16": bf16 / total, "bits_per_element": 16 * total / bf16}
+
+
+@torch.no_grad()
+def _decode_times(model: Any, context: int, steps: int, device: torch.device,
+                  ) -> list[float]:
+    """Median µs per decode step after a `context`-token prefill: full precision first,
+    then TurboQuant at each of BITS. Caches take one step each per round, alternately,
+    so load from elsewhere hits them alike; all hold the same tokens at every round."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from tq_cli.kvcache.cache import fill_from, kv_cache
+
+    ids = torch.randint(0, model.config.vocab_size, (1, context + steps), device=device,
+                        generator=torch.Generator(device).manual_seed(0))
+    ref = DynamicCache(config=model.config)
+    model(ids[:, :context], cache=ref, use_cache=True)
+    caches: list[Any] = [copy.deepcopy(ref)]
+    caches += [fill_from(kv_cache(model, bits=b, window=WINDOW), ref) for b in BITS]
+    times: list[list[float]] = [[] for _ in caches]
+    for t in range(context, context + steps):
+        for i, cache in enumerate(caches):
+            t0 = time.perf_counter()
+            model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[i].append((time.perf_counter() - t0) * 1e6)
+    return [statistics.median(x) for x in times]
+
+
+def decode_rows(device: torch.device, quick: bool,
+                progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    from transformers import LlamaForCausalLM
+
+    layers, contexts, steps = DECODE["quick" if quick else "full"]
+    labels = ["full precision", *(f"turboquant {b:g}-bit" for b in BITS)]
+    rows = []
+    for context in contexts:
+        if progress:
+            progress(f"kv decode: {context} tokens, {layers} layers, {steps} steps")
+        torch.manual_seed(0)
+        model: Any = LlamaForCausalLM(_config(layers, context))
+        model = model.to(device).eval()
+        med = _decode_times(model, context, steps, device)
+        for label, us in zip(labels, med, strict=True):
+            rows.append({"table": "decode", "context": context, "layers": layers,
+                         "cache": label, "ms_per_token": us / 1e3,
+                         "overhead": us / med[0] - 1})
+    return rows
+
+
+def run(device: torch.device, quick: bool, progress: Callable[[str], None] | None = None,
+        ) -> tuple[list[dict[str, Any]], dict[str, Metric]]:
+    rows: list[dict[str, Any]] = []
+    metrics: dict[str, Metric] = {}
+    for context in QUICK_CONTEXTS if quick else CONTEXTS:
+        for bits in BITS:
+            if progress:
+                progress(f"kv memory: {bits:g} bits at {context} tokens")
+            r = memory_row(context, bits, device)
+            rows.append(r)
+            metrics[f"kv.memory.{context}.{bits:g}bit.vs_bf16"] = Metric(
+                r["vs_bf16"], "quality", "higher", "x")
+    for r in decode_rows(device, quick, progress):
+        rows.append(r)
+        if r["cache"] != "full precision":
+            name = f"kv.decode.{r['context']}.{r['cache'].split()[-1]}.overhead"
+            # Ratios from the same run; reported, not gated: a few steps on a shared CPU
+            # move too much for a gate.
+            metrics[name] = Metric(r["overhead"], "info", "lower", "")
+    return rows, metrics

@@ -1,0 +1,184 @@
+"""The TurboQuant KV cache for transformers models, and how a model gets it by default.
+
+`kv_cache(model, bits=3.5)` builds a `TurboQuantCache`: a transformers `Cache` with one
+layer per decoder layer, chosen from the model's layer types:
+
+- full attention: `TurboQuantLayer` (codes outside the sinks and the recent window);
+- sliding or chunked attention (Gemma 2/3, Mistral-style): transformers' own
+  `DynamicSlidingWindowLayer` in full precision by default, since its cache is bounded by
+  the sliding window (at 32k context it is a few percent of a Gemma 3 cache), or
+  `TurboQuantSlidingLayer` with `sliding="quantize"`;
+- layers listed in `full_precision_layers`, and layer kinds without a KV cache (linear
+  attention, dummy): transformers' default layer for their type.
+
+Use it as `model.generate(..., past_key_values=kv_cache(model))` (or `cache=`), or make it
+the default of `generate()` with `use_kv_cache(model, spec)` (what `tq_cli.load(path,
+kv_bits=...)` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any
+
+from pydantic import ValidationError
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
+
+from tq_cli.errors import UnsupportedError
+from tq_cli.kvcache.layers import CodecBank, TurboQuantLayer, TurboQuantSlidingLayer
+from tq_cli.kvcache.spec import KVSpec, SplitPolicy, resolve_bits
+
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class TurboQuantCache(Cache):
+    """A KV cache storing keys and values as TurboQuant codes (see `kvcache.layers`)."""
+
+    def __init__(self, spec: KVSpec, config: Any, measure_error: bool = False) -> None:
+        text = config.get_text_config(decoder=True)
+        types_, kwargs = get_layer_types_and_kwargs(text)
+        n = len(types_)
+        full = {i % n for i in spec.full_precision_layers if -n <= i < n}
+        bad = [i for i in spec.full_precision_layers if not -n <= i < n]
+        if bad:
+            raise UnsupportedError(f"full_precision_layers: layer {bad[0]} does not exist; "
+                                   f"the model has {n} layers (0..{n - 1}, or -1..-{n})")
+        self.spec = spec
+        self.bank = CodecBank(spec)
+        layers: list[Any] = []
+        for i, (kind, kw) in enumerate(zip(types_, kwargs, strict=True)):
+            if i in full:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
+            elif kind == "full_attention":
+                layers.append(TurboQuantLayer(spec, self.bank, measure_error))
+            elif kind in SLIDING_TYPES and spec.sliding == "quantize":
+                layers.append(TurboQuantSlidingLayer(spec, self.bank, kw["sliding_window"],
+                                                     measure_error))
+            else:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
+        super().__init__(layers=layers)
+
+    def memory(self, full_element_bytes: int | None = None) -> dict[str, Any]:
+        """What the cache holds, in bytes, with effective bits per cached element.
+
+        Codes include norms and sketches; `full` is every element held in full precision
+        (sinks, windows, full-precision and sliding layers), counted at
+        `full_element_bytes` each when given (2: as in a bf16/fp16 model) or at its actual
+        size; `side` is the channel orders and the shared rotation and sketch matrices.
+        `elements` counts the cached key and value elements, `bf16_bytes` what a bf16
+        cache of them would hold.
+        """
+        code = side = full_el = full_b = elements = 0
+        for layer in self.layers:
+            if isinstance(layer, TurboQuantLayer):
+                m = layer.memory()
+                code += m["code_bytes"]
+                side += m["side_bytes"]
+                full_el += m["full_elements"]
+                full_b += m["full_bytes"]
+                elements += m["elements"]
+            elif isinstance(layer, DynamicLayer) and layer.keys is not None and \
+                    layer.values is not None:
+                n = layer.keys.numel() + layer.values.numel()
+                full_el += n
+                full_b += n * layer.keys.element_size()
+                elements += n
+        side += self.bank.material_bytes()
+        if full_element_bytes is not None:
+            full_b = full_el * full_element_bytes
+        total = code + full_b + side
+        return {"code_bytes": code, "full_bytes": full_b, "side_bytes": side,
+                "total_bytes": total, "elements": elements, "bf16_bytes": 2 * elements,
+                "bits_per_element": 8 * total / elements if elements else 0.0,
+                "vs_bf16": 2 * elements / total if total else 0.0}
+
+    def errors(self) -> dict[str, float]:
+        """Relative squared reconstruction error of the coded keys and values, summed over
+        layers (needs measure_error=True); NaN for a stream never coded."""
+        out = {}
+        for i, name in enumerate(("key", "value")):
+            err = energy = 0.0
+            for layer in self.layers:
+                if isinstance(layer, TurboQuantLayer) and layer.streams is not None:
+                    err += layer.streams[i].err
+                    energy += layer.streams[i].energy
+            out[name] = err / energy if energy else float("nan")
+        return out
+
+
+def fill_from(cache: Cache, prefilled: Cache) -> Cache:
+    """Put into `cache` what a prefill forward through it would have stored, from a
+    full-precision cache that ran that prefill: a prefill reads its own tokens at full
+    precision whatever the cache, so only what is stored differs. Lets an evaluation run
+    one prefill and compare many caches after it. Returns `cache`."""
+    for i, (dst, src) in enumerate(zip(cache.layers, prefilled.layers, strict=True)):
+        keys, values = getattr(src, "keys", None), getattr(src, "values", None)
+        if keys is None or values is None or not getattr(src, "is_initialized", False):
+            continue
+        if type(dst) is type(src):
+            cache.layers[i] = copy.deepcopy(src)
+            continue
+        # Quantizing layers (ours, transformers' QuantizedLayer) store what they are given.
+        dst.update(keys, values)  # type: ignore[union-attr]
+        if isinstance(src, DynamicSlidingWindowLayer):
+            dst.cumulative_length = src.cumulative_length  # type: ignore[union-attr]
+    return cache
+
+
+def make_spec(bits: float | None = 3.5, window: int = 128, split: SplitPolicy = "kv",
+              **options: Any) -> KVSpec:
+    """A KVSpec from average bits (None: full precision) under a split policy; options are
+    KVSpec fields (key_bits/value_bits override the split). Raises UnsupportedError."""
+    try:
+        kb, vb = resolve_bits(bits, split) if bits is not None else (None, None)
+        fields: dict[str, Any] = {"key_bits": kb, "value_bits": vb, "window": window}
+        fields.update(options)
+        return KVSpec(**fields)
+    except (ValidationError, ValueError) as e:
+        msg = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
+        raise UnsupportedError(f"KV cache settings: {msg}") from e
+
+
+def kv_cache(model: Any, bits: float | None = 3.5, window: int = 128, *,
+             split: SplitPolicy = "kv", spec: KVSpec | None = None,
+             measure_error: bool = False, **options: Any) -> TurboQuantCache:
+    """A fresh TurboQuant KV cache for `model` (or its config).
+
+    bits: average bits per cached element of the coded tokens (3.5: keys 4, values 3 with
+    split="kv"); window: recent tokens kept in full precision; options: other KVSpec
+    fields (key_bits, value_bits, sinks, full_precision_layers, sliding, rotation,
+    rescale, center, qjl, seed). A `spec` replaces all of these.
+    """
+    config = getattr(model, "config", model)
+    return TurboQuantCache(spec or make_spec(bits, window, split, **options), config,
+                           measure_error)
+
+
+def use_kv_cache(model: Any, spec: KVSpec) -> Any:
+    """Make `model.generate()` use a fresh TurboQuant cache unless given a cache or a
+    cache_implementation. Returns the model; `model.tq_kv_spec` records the spec."""
+    original = model._prepare_cache_for_generation
+
+    def prepare(self: Any, generation_config: Any, model_kwargs: dict, *args: Any,
+                **kwargs: Any) -> Any:
+        own = (model_kwargs.get("cache") is None and model_kwargs.get("past_key_values") is None
+               and generation_config.use_cache is not False
+               and generation_config.cache_implementation is None)
+        if own:
+            model_kwargs["cache"] = TurboQuantCache(spec, self.config)
+        result = original(generation_config, model_kwargs, *args, **kwargs)
+        if own:
+            # Ours, not the caller's: generate() may drop it at the end like its own.
+            model_kwargs["cache"]._is_user_defined = False
+        return result
+
+    model._prepare_cache_for_generation = types.MethodType(prepare, model)
+    model.tq_kv_spec = spec
+    return model

@@ -1,0 +1,91 @@
+"""What a TurboQuant KV cache stores: bits for keys and values, the full-precision window
+and the layers left alone. Frozen and validated, like the weight specs in `tq_cli.spec`.
+
+Fractional bits: a stream (keys or values) at b = n + f bits stores a fixed set of
+round(f * head_dim) channels at n + 1 bits and the rest at n bits (the paper's outlier
+channel split, Zandieh et al. 2025, Section 4.3). `resolve_bits` turns one average
+`bits` into per-stream bits under either policy: "kv" gives keys the extra bit
+(3.5 -> keys 4, values 3; keys are the sensitive stream), "outlier" gives both streams
+the same fractional bits. Measured on SmolLM2 (see the README), "kv" is the default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tq_cli.spec import MAX_SEED
+
+KVRotation = Literal["hadamard", "orthogonal"]
+SlidingMode = Literal["full", "quantize"]
+SplitPolicy = Literal["kv", "outlier"]
+Rescale = Literal["none", "norm", "unbiased"]
+
+MIN_BITS, MAX_BITS = 1.0, 8.0
+
+
+class KVSpec(BaseModel):
+    """How a KV cache quantizes. A stream with bits None stays in full precision."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key_bits: float | None = Field(4.0, description="bits per key coordinate (None: full)")
+    value_bits: float | None = Field(3.0, description="bits per value coordinate (None: full)")
+    window: int = Field(128, ge=0, description="most recent tokens kept in full precision")
+    sinks: int = Field(0, ge=0, description="first tokens kept in full precision")
+    full_precision_layers: tuple[int, ...] = Field(
+        (), description="layer indices (negative counts from the end) kept in full precision")
+    sliding: SlidingMode = Field(
+        "full", description="sliding-window layers: 'full' keeps their bounded cache in full "
+        "precision, 'quantize' quantizes it outside the window as well")
+    center: bool = Field(False, description="values: quantize each vector minus a per-head "
+                         "mean fixed from the first tokens coded (added back exactly); "
+                         "measured worse on SmolLM2, so off")
+    rotation: KVRotation = "hadamard"
+    rescale: Rescale = Field("none", description="the stored scale: 'none' the norm (the "
+                             "paper), 'norm' so |x_hat| = |x|, 'unbiased' so inner products "
+                             "are unbiased")
+    qjl: bool = Field(False, description="keys: (b-1)-bit codes plus a 1-bit QJL sketch of the "
+                      "residual (the paper's TurboQuant_prod, unbiased inner products)")
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+
+    @model_validator(mode="after")
+    def _check(self) -> KVSpec:
+        for name in ("key_bits", "value_bits"):
+            b = getattr(self, name)
+            if b is not None and not MIN_BITS <= b <= MAX_BITS:
+                raise ValueError(f"{name} must be between 1 and 8, got {b}")
+        if self.qjl and self.key_bits is not None and self.key_bits < 2:
+            raise ValueError("qjl needs key_bits >= 2 (b-1 bits of codes plus the 1-bit sketch)")
+        return self
+
+    @property
+    def label(self) -> str:
+        def part(b: float | None) -> str:
+            return "fp" if b is None else f"{b:g}"
+
+        extra = "+qjl" if self.qjl else ""
+        return f"K{part(self.key_bits)}{extra}/V{part(self.value_bits)}"
+
+
+def resolve_bits(bits: float, split: SplitPolicy = "kv") -> tuple[float, float]:
+    """(key_bits, value_bits) averaging `bits` under a split policy."""
+    if not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be between 1 and 8, got {bits}")
+    if split == "outlier" or bits == int(bits):
+        return bits, bits
+    if split != "kv":
+        raise ValueError(f"split must be 'kv' or 'outlier', got {split!r}")
+    key = min(MAX_BITS, float(math.ceil(bits)))
+    return key, 2 * bits - key
+
+
+def split_channels(bits: float, d: int) -> tuple[int, int]:
+    """(base bits, channels at base + 1) for a stream of `bits` over head_dim d."""
+    base = math.floor(bits)
+    high = round((bits - base) * d)
+    if base >= MAX_BITS:
+        return int(MAX_BITS), 0
+    return base, high
