@@ -80,7 +80,8 @@ def print_tables(result: dict[str, Any]) -> None:
         cols = ["shape", "bits", "batch", "tq_matmul_us", "tq_rotate_us", "tq_layer_us",
                 "torch_linear_us", "torch_bf16_us", "matmul_over_torch",
                 "with_rotation_over_torch", "matmul_over_bf16", "tq_gb_s"]
-        caption = ("medians; random codes, 0.1% outliers; layer = rotation + matmul + "
+        caption = ("fastest of up to 50 runs on CPU, median of CUDA graph replays on CUDA; "
+                   "random codes, 0.1% outliers; layer = rotation + matmul + "
                    "outliers; GB/s of weight bytes read")
         if "tq_bandwidth_fraction" in k0:
             cols.append("tq_bandwidth_fraction")

@@ -148,8 +148,8 @@ void epilogue(const Problem& P, const float* xr, const Outliers& o, const float*
   }
 }
 
-// Enough work per task that waking a second thread pays for itself (measured on
-// SmolLM2's 576-wide rows; see tq_kernels/cpu.py).
+// At least ~64k multiply-adds (a few microseconds) per task, so that a small layer at
+// batch 1 (SmolLM2's 192x576 k/v projections) does not pay a fork/join for nothing.
 int64_t row_grain(int64_t n, int64_t M) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, n * std::min<int64_t>(M, 8)));
 }
@@ -226,10 +226,14 @@ void store(const float* y, at::Tensor& dst) {
     if (dst.data_ptr<float>() != y) std::memcpy(dst.data_ptr<float>(), y, total * sizeof(float));
   } else if (dt == at::kBFloat16) {
     c10::BFloat16* d = dst.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < total; ++i) d[i] = c10::BFloat16(y[i]);
+    at::parallel_for(0, total, 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) d[i] = c10::BFloat16(y[i]);
+    });
   } else {
     c10::Half* d = dst.data_ptr<c10::Half>();
-    for (int64_t i = 0; i < total; ++i) d[i] = c10::Half(y[i]);
+    at::parallel_for(0, total, 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) d[i] = c10::Half(y[i]);
+    });
   }
 }
 
