@@ -66,6 +66,15 @@ def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return unpack_codes(packed.reshape(-1, packed.shape[-1]), bits, n).reshape(*lead, n)
 
 
+def _three_bit_table(levels: torch.Tensor) -> torch.Tensor:
+    """[4096, 4]: the levels of the four 3-bit codes whose low bits are one byte b of the
+    2-bit plane and whose high bits are a nibble n of the 1-bit plane, at row b + 256 n."""
+    row = torch.arange(4096, device=levels.device)[:, None]
+    t = torch.arange(4, device=levels.device)[None, :]
+    codes = ((row % 256 >> (2 * t)) & 3) | (((row // 256 >> t) & 1) << 2)
+    return levels[codes]
+
+
 def _byte_tables(bits: int, levels: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """Per bit plane of the packed layout: (width, table [256, 8 // width]) giving, for a
     byte, its codes' contribution (shifted into place) or, for a one-plane layout, their
@@ -101,6 +110,7 @@ class MSECodec:
         self.mids = (self.levels[1:] + self.levels[:-1]) / 2
         self.rot = rotation_matrix(kind, d, seed)
         self._tables: list[tuple[int, torch.Tensor]] | None = None
+        self._table3: torch.Tensor | None = None
 
     @property
     def code_bytes(self) -> int:
@@ -109,7 +119,7 @@ class MSECodec:
     def to(self, device: torch.device) -> MSECodec:
         self.levels, self.mids, self.rot = (t.to(device) for t in (self.levels, self.mids,
                                                                      self.rot))
-        self._tables = None
+        self._tables = self._table3 = None
         return self
 
     def material_bytes(self) -> int:
@@ -132,6 +142,17 @@ class MSECodec:
     def decode(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return (self._levels_of(packed) @ self.rot.T) * scale.float()[..., None]
 
+    def _levels_3bit(self, packed: torch.Tensor) -> torch.Tensor:
+        """3 bits (planes of 2 and 1 bits): each byte of the 2-bit plane and the matching
+        nibble of the 1-bit plane index one table row of four levels."""
+        if self._table3 is None:
+            self._table3 = _three_bit_table(self.levels)
+        n = padded_length(self.d)
+        low, high = packed[..., :n // 4].int(), packed[..., n // 4:].int()
+        nibble = torch.stack((high & 15, high >> 4), dim=-1).flatten(-2)
+        out = F.embedding(low + 256 * nibble, self._table3).flatten(-2)
+        return out[..., :self.d] if n != self.d else out
+
     def _levels_of(self, packed: torch.Tensor) -> torch.Tensor:
         """Codebook values of packed codes through byte lookup tables: one gather per bit
         plane of the format (tq_kernels.packing), none of the shifts and masks of a
@@ -139,6 +160,8 @@ class MSECodec:
         lead = packed.shape[:-1]
         if self._tables is None:
             self._tables = _byte_tables(self.bits, self.levels)
+        if self.bits == 3:
+            return self._levels_3bit(packed)
         parts, start = [], 0
         for width, table in self._tables:
             nbytes = padded_length(self.d) * width // 8
