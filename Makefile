@@ -20,7 +20,7 @@ TORCH_INDEX ?=
 DEMO_OUT ?= $(HOME)/.cache/tq/demo/SmolLM2-135M-Instruct-tq4
 CONSTRAINTS ?=
 
-.PHONY: install install-locked lock demo test lint bench bench-quick wheel-check clean
+.PHONY: install install-locked lock demo test lint bench bench-quick wheel-check clean vllm-test
 
 install: $(VENV)/.installed
 
@@ -61,6 +61,17 @@ bench-quick: install
 
 wheel-check:
 	bash scripts/wheel_check.sh
+
+# tq checkpoints in vLLM (tests/test_vllm.py, marked `vllm`), in a venv of their own built
+# by scripts/vllm_env.sh (vLLM's CPU build without a GPU), so .venv is never touched.
+VLLM_VENV ?= .venv-vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml scripts/vllm_env.sh
+	VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_env.sh
+	touch $@
+
+vllm-test: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build dist

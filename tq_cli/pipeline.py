@@ -3,8 +3,10 @@
 Each stage is a thread joined to the next by a queue of one item, so tensor i+1 rotates
 while tensor i quantizes and tensor i-1 is written (docs/design.md, data flow), and at most a
 handful of tensors are alive at once: peak memory follows the largest tensor, not the
-shard or the model. Kept tensors are copied byte for byte by the reader thread in
-chunks and never decoded. torch releases the GIL in its kernels, so threads overlap.
+shard or the model. On the CPU two quantize threads take tensors in turn, each fitting one
+tensor on one core (`quantize_workers`); results are written in the order they finish.
+Kept tensors are copied byte for byte by the reader thread in chunks and never decoded.
+torch (and tq's native fit) release the GIL in their kernels, so threads overlap.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from tq_cli.errors import NonFiniteError
 from tq_cli.io.safetensors_reader import read_tensor, tensor_sha256
 from tq_cli.io.writer import ShardWriter
 from tq_cli.plan import TensorPlan
-from tq_cli.quantizer import FP16_MAX, QuantizedTensor
+from tq_cli.quantizer import (
+    FP16_MAX,
+    QuantizedTensor,
+    native_available,
+    rotate_owned,
+    scan_values,
+    set_fit_threads,
+)
 from tq_cli.rotation import Rotation
 from tq_cli.tensor_fit import CalibOptions, quantize_tensor
 
@@ -106,6 +115,46 @@ def _stage(fn: Callable[[object], object], src: queue.Queue, dst: queue.Queue,
             _put(dst, e, stop)
 
 
+def _workers(fn: Callable[[object], object], src: queue.Queue, dst: queue.Queue,
+             stop: threading.Event, count: int, lock: threading.Lock, left: list[int],
+             setup: Callable[[], None]) -> None:
+    """One of `count` threads running `fn` on items from `src`: each passes _END on to the
+    next, and the last one out forwards it to `dst`."""
+    try:
+        setup()
+        while True:
+            item = _get(src, stop)
+            if item is _END:
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                _put(dst if last else src, _END, stop)
+                return
+            if isinstance(item, BaseException):
+                _put(dst, item, stop)
+                return
+            _put(dst, fn(item), stop)
+    except _Stop:
+        return
+    except BaseException as e:
+        with contextlib.suppress(_Stop):
+            _put(dst, e, stop)
+
+
+def quantize_workers(device: torch.device, calib: CalibOptions | None) -> tuple[int, int]:
+    """(tensors quantized at once, fit threads each). On the CPU with the native fit, one
+    thread per tensor and as many tensors as threads, at most two: a pass over a typical
+    tensor lasts a few milliseconds, so a parallel region per pass pays more for waking
+    and joining threads (and for waiting on a preempted one when the read, rotate and
+    write stages share the cores) than it gains, and two tensors in flight cost one more
+    tensor of memory, not more per model. Otherwise one tensor at a time on all threads."""
+    threads = max(1, torch.get_num_threads())
+    if device.type != "cpu" or calib is not None or threads < 2 or not native_available():
+        return 1, 0
+    workers = min(2, threads)
+    return workers, threads // workers
+
+
 def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rotation],
            device: torch.device, allow_nonfinite: bool = False,
            log: Callable[[str], None] | None = None,
@@ -141,8 +190,11 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         if not isinstance(item, _Read):
             return item
         tp = item.plan
-        w = item.tensor.to(torch.float32)
-        nonfinite = int((~torch.isfinite(w)).sum())
+        # The read buffer is this stage's own: a float32 source is rotated in place, and a
+        # narrower one is released as soon as its float32 copy exists.
+        w = item.tensor.to(torch.float32).contiguous()
+        item.tensor = w
+        nonfinite, huge = scan_values(w)
         if nonfinite:
             bad = ~torch.isfinite(w)
             if not allow_nonfinite:
@@ -154,7 +206,6 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
                 log(f"tensor '{tp.info.name}': {nonfinite} NaN/Inf values quantized as 0")
         # fp16 scales and outliers hold at most FP16_MAX: a larger finite value cannot be
         # stored, so it is refused like a NaN, or clamped with --allow-nonfinite.
-        huge = int((w.abs() > FP16_MAX).sum())
         if huge:
             peak = float(w.abs().max())
             if not allow_nonfinite:
@@ -169,7 +220,7 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
                 log(f"tensor '{tp.info.name}': {huge} values beyond ±{FP16_MAX:g} clamped")
         rot = (rotations[tp.rotation_id] if tp.rotation_id
                else Rotation("none", w.shape[1], tp.block, 0))
-        return _Rotated(tp, rot.rotate_rows(w), rot, nonfinite, item.source_sha256)
+        return _Rotated(tp, rotate_owned(w, rot), rot, nonfinite, item.source_sha256)
 
     def quant(item: object) -> object:
         if not isinstance(item, _Rotated):
@@ -183,12 +234,21 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         return _Quantized(item.plan, res.q, item.nonfinite, time.perf_counter() - t0,
                           res.record | {"source_sha256": item.source_sha256})
 
+    workers, fit_threads = quantize_workers(device, calib)
+    left, lock = [workers], threading.Lock()
+
+    def rotate_stage() -> None:
+        with contextlib.suppress(Exception):
+            set_fit_threads(1)  # the rotation is cheap next to the fit: no parallel region
+        _stage(rotate, q_read, q_rot, stop)
+
     threads = [
         threading.Thread(target=read_all, name="tq-read", daemon=True),
-        threading.Thread(target=_stage, args=(rotate, q_read, q_rot, stop),
-                         name="tq-rotate", daemon=True),
-        threading.Thread(target=_stage, args=(quant, q_rot, q_quant, stop),
-                         name="tq-quantize", daemon=True),
+        threading.Thread(target=rotate_stage, name="tq-rotate", daemon=True),
+        *(threading.Thread(target=_workers, name=f"tq-quantize-{i}", daemon=True,
+                           args=(quant, q_rot, q_quant, stop, workers, lock, left,
+                                 lambda: set_fit_threads(fit_threads)))
+          for i in range(workers)),
     ]
     for th in threads:
         th.start()

@@ -14,6 +14,7 @@ Work runs over row chunks so memory stays a small multiple of the weight itself.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -106,10 +107,12 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
 
 
 class _Fit:
-    """State of one tensor's fit: padded row chunks, group scales and the codebook."""
+    """State of one tensor's fit in torch ops (any device): padded row chunks, group scales
+    and the codebook. `_NativeFit` is the same fit on the CPU in one native pass each."""
 
     def __init__(self, w: torch.Tensor, spec: QuantSpec, device: torch.device) -> None:
-        self.w, self.spec, self.device = w, spec, device
+        # On a GPU the whole weight moves once, not once per pass and chunk.
+        self.w, self.spec, self.device = w.to(device, torch.float32), spec, device
         self.out, self.n = w.shape
         self.g = spec.group_size
         self.groups = group_count(self.n, self.g)
@@ -126,7 +129,7 @@ class _Fit:
 
     def load(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded chunk [R, G, g] and its mask of entries that count (valid, not outlier)."""
-        x = self.w[r0:r1].to(self.device, torch.float32)
+        x = self.w[r0:r1]
         x = F.pad(x, (0, self.npad - self.n)).view(r1 - r0, self.groups, self.g)
         mask = self.colmask.expand(r1 - r0, -1, -1).clone()
         if self.outliers.numel():
@@ -222,10 +225,121 @@ class _Fit:
                 best_i = best_i[j]
         self.outliers = torch.sort(best_i).values
 
+    def final(self) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """Packed codes, the outliers' fp16 residuals, squared error and squared norm."""
+        out, n, spec = self.out, self.n, self.spec
+        codes_out = torch.empty(out, packed_row_bytes(n, spec.bits), dtype=torch.uint8)
+        out_val = torch.empty(0, dtype=torch.float16)
+        err = 0.0
+        norm = 0.0
+        oi = self.outliers
+        for r0, r1, x, codes, resid in self.residual_chunks():
+            flat_codes = codes.reshape(r1 - r0, self.npad)[:, :n]
+            codes_out[r0:r1] = pack_codes(flat_codes, spec.bits).cpu()
+            flat_res = resid.reshape(r1 - r0, self.npad)[:, :n].reshape(-1)
+            sel = oi[(oi >= r0 * n) & (oi < r1 * n)] - r0 * n
+            vals = flat_res[sel].clamp(-FP16_MAX, FP16_MAX).half()
+            flat_res = flat_res.clone()
+            flat_res[sel] -= vals.float()
+            out_val = torch.cat([out_val, vals.cpu()])
+            err += float(flat_res.double().pow(2).sum())
+            norm += float(x.double().pow(2).sum())
+        return codes_out, out_val, err, norm
 
-def _fitted(w_rot: torch.Tensor, spec: QuantSpec, dev: torch.device) -> _Fit:
+
+class _NativeFit:
+    """The same fit as `_Fit` on the CPU, each pass one native read of the weight
+    (tq_kernels.fit; csrc/fit_cpu.cpp). No window overlap or temperature: those run in
+    torch ops."""
+
+    def __init__(self, w: torch.Tensor, spec: QuantSpec) -> None:
+        from tq_kernels import fit as native
+
+        self.native = native
+        self.w = w.to(torch.float32).contiguous()
+        self.spec = spec
+        self.out, self.n = self.w.shape
+        self.g = spec.group_size
+        self.codebook = initial_codebook(spec.codebook, spec.bits)
+        self.scales = torch.empty(self.out, group_count(self.n, self.g), dtype=torch.float32)
+        self.outliers = torch.empty(0, dtype=torch.long)
+
+    def init_scales(self) -> None:
+        self.scales = self.native.init_scales(self.w, self.g, self.outliers,
+                                              self.spec.codebook == "uniform")
+
+    def iterate(self) -> None:
+        refine = self.spec.codebook != "uniform"
+        stats = self.native.fit_pass(self.w, self.scales, self.codebook, self.g,
+                                     self.outliers, refine)
+        if refine:
+            num, den = stats[0], stats[1]
+            upd = torch.where(den > 0, num / den.clamp(min=1e-300), self.codebook.double())
+            self.codebook = torch.sort(upd.float()).values.contiguous()
+
+    def pick_outliers(self, k: int) -> None:
+        self.outliers = self.native.top_outliers(self.w, self.scales, self.codebook, self.g, k)
+
+    def final(self) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        return self.native.finish(self.w, self.scales.contiguous(), self.codebook, self.g,
+                                  self.spec.bits, self.outliers)
+
+
+def native_available() -> bool:
+    """Whether the native CPU fit can run here: it built, and TQ_FIT=torch does not ask for
+    the torch version (the reference, and for comparisons)."""
+    if os.environ.get("TQ_FIT", "").strip().lower() == "torch":
+        return False
+    from tq_kernels import fit as native
+
+    return native.available()
+
+
+def set_fit_threads(threads: int) -> None:
+    """Threads the calling thread's native fit uses from now on (0: torch's intra-op
+    count); the conversion pipeline runs one per tensor and two tensors at a time."""
+    if native_available():
+        from tq_kernels import fit as native
+
+        native.set_threads(threads)
+
+
+def _native(spec: QuantSpec, dev: torch.device) -> bool:
+    """The native fit runs on the CPU, without the torch-only options."""
+    if dev.type != "cpu" or spec.window_overlap or spec.temperature is not None:
+        return False
+    return native_available()
+
+
+def scan_values(w: torch.Tensor) -> tuple[int, int]:
+    """(NaN/Inf values, finite values beyond what fp16 holds) in a float32 CPU weight."""
+    if native_available():
+        from tq_kernels import fit as native
+
+        return native.scan(w)
+    finite = torch.isfinite(w)
+    nonfinite = int((~finite).sum())
+    huge = int(((w.abs() > FP16_MAX) & finite).sum())
+    return nonfinite, huge
+
+
+def rotate_owned(w: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """w @ R for a contiguous float32 CPU weight the caller owns and no longer needs: the
+    Hadamard rotation runs natively in place (bit for bit the torch result), so no second
+    full-size copy exists; other rotations allocate the result."""
+    if (rotation.kind == "hadamard" and rotation.signs is not None and w.is_contiguous()
+            and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
+            and native_available()):
+        from tq_kernels import fit as native
+
+        return native.rotate_(w, rotation.signs, rotation.block)
+    return rotation.rotate_rows(w)
+
+
+def _fitted(w_rot: torch.Tensor, spec: QuantSpec, dev: torch.device) -> _Fit | _NativeFit:
     """The data-free fit after its iterations, scales rounded to the stored fp16."""
-    fit = _Fit(w_rot, spec, dev)
+    fit: _Fit | _NativeFit = (_NativeFit(w_rot, spec) if _native(spec, dev)
+                              else _Fit(w_rot, spec, dev))
     fit.init_scales()
     for _ in range(spec.scale_iters):
         fit.iterate()
@@ -249,7 +363,7 @@ def fit_grid(w_rot: torch.Tensor, spec: QuantSpec,
     Calibrated quantization (`tq_cli.gptq`) assigns codes on this grid."""
     dev = torch.device(device) if device is not None else w_rot.device
     fit = _fitted(w_rot, spec, dev)
-    return fit.scales, fit.codebook.float()
+    return fit.scales.to(dev), fit.codebook.float().to(dev)
 
 
 def quantize_rotated(w_rot: torch.Tensor, spec: QuantSpec, rotation: Rotation,
@@ -257,26 +371,10 @@ def quantize_rotated(w_rot: torch.Tensor, spec: QuantSpec, rotation: Rotation,
     """Quantize an already rotated weight [out, in] (the pipeline rotates on another thread)."""
     dev = torch.device(device) if device is not None else w_rot.device
     fit = _fitted(w_rot, spec, dev)
-    out, n = fit.out, fit.n
-    codes_out = torch.empty(out, packed_row_bytes(n, spec.bits), dtype=torch.uint8)
-    out_val = torch.empty(0, dtype=torch.float16)
-    err = 0.0
-    norm = 0.0
-    oi = fit.outliers
-    for r0, r1, x, codes, resid in fit.residual_chunks():
-        flat_codes = codes.reshape(r1 - r0, fit.npad)[:, :n]
-        codes_out[r0:r1] = pack_codes(flat_codes, spec.bits).cpu()
-        flat_res = resid.reshape(r1 - r0, fit.npad)[:, :n].reshape(-1)
-        sel = oi[(oi >= r0 * n) & (oi < r1 * n)] - r0 * n
-        vals = flat_res[sel].clamp(-FP16_MAX, FP16_MAX).half()
-        flat_res = flat_res.clone()
-        flat_res[sel] -= vals.float()
-        out_val = torch.cat([out_val, vals.cpu()])
-        err += float(flat_res.double().pow(2).sum())
-        norm += float(x.double().pow(2).sum())
+    codes, out_val, err, norm = fit.final()
     return QuantizedTensor(
-        shape=(out, n), spec=spec, rotation=rotation, codes=codes_out,
+        shape=(fit.out, fit.n), spec=spec, rotation=rotation, codes=codes,
         scales=fit.scales.half().cpu(), codebook=fit.codebook.float().cpu(),
-        outlier_idx=oi.to(torch.int32).cpu(), outlier_val=out_val,
+        outlier_idx=fit.outliers.to(torch.int32).cpu(), outlier_val=out_val.cpu(),
         rel_error=err / norm if norm > 0 else 0.0,
     )

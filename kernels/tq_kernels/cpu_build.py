@@ -1,13 +1,17 @@
 """Build tq's CPU kernel on first use, cache it, and load it into torch.
 
-The C++ source ships inside the package (`tq_kernels/csrc/`). The first process that
-needs it compiles `tq_cpu.cpp` (one translation unit; it includes the per-instruction-set
-headers) with the system C++ compiler against the installed torch's headers, into tq's
-cache (`$TQ_CACHE/kernels`, default `~/.cache/tq/kernels`), named by a hash of the
-sources, the torch version and the compiler, so an upgrade of either builds afresh and
-nothing stale is ever loaded. The library is written to a temporary name and renamed
-into place, so concurrent first uses never see half a file. It registers torch
-operators (`torch.ops.tq_cpu.*`) and is loaded with `torch.ops.load_library`.
+The C++ source ships inside the package (`tq_kernels/csrc/`). Two libraries are built
+from it, each from one translation unit: `tq_cpu.cpp` (TQLinear's forward; it includes
+the per-instruction-set headers) and `fit_cpu.cpp` (the quantizer's fit, with its
+`fit_*` files). The first process that needs one compiles it with the system C++
+compiler against the installed torch's headers, into tq's cache (`$TQ_CACHE/kernels`,
+default `~/.cache/tq/kernels`), named by a hash of its sources, the torch version and the
+compiler, so an upgrade of either builds afresh and nothing stale is ever loaded. The
+libraries are independent: a change to (or a failed build of) one never touches the
+other. The library is written to a temporary name and renamed
+into place, so concurrent first uses never see half a file. Each registers torch
+operators (`torch.ops.tq_cpu.*`, `torch.ops.tq_fit.*`) and is loaded with
+`torch.ops.load_library`.
 
 No `-march=native`: the SIMD variants are compiled with per-function target pragmas and
 chosen at run time, so a cache shared between machines never runs an instruction a CPU
@@ -32,6 +36,7 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 MAIN = "tq_cpu.cpp"
+FIT = "fit_cpu.cpp"  # its own files are named fit_*; every other file belongs to MAIN
 FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", "-w"]
 _lock = threading.Lock()
 
@@ -77,12 +82,18 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
             "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}"]
 
 
-def build_key(cxx: str) -> str:
+def _sources(main: str) -> list[Path]:
+    """The files library `main` is built from: fit_* for FIT, all others for MAIN."""
+    fit = main == FIT
+    return [f for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h", ".inc")
+            and f.name.startswith("fit_") == fit]
+
+
+def build_key(cxx: str, main: str = MAIN) -> str:
     """Hash of everything the library depends on: sources, torch, compiler, flags."""
     h = hashlib.sha256()
-    for f in sorted(CSRC.iterdir()):
-        if f.suffix in (".cpp", ".h", ".inc"):
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    for f in _sources(main):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
@@ -94,16 +105,16 @@ def build_key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _compile(cxx: str, target: Path) -> None:
+def _compile(cxx: str, target: Path, main: str = MAIN) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run(_command(cxx, CSRC / MAIN, Path(tmp)), capture_output=True,
+        proc = subprocess.run(_command(cxx, CSRC / main, Path(tmp)), capture_output=True,
                               text=True, timeout=900)
         if proc.returncode != 0:
             log = target.with_suffix(".log")
-            log.write_text(" ".join(_command(cxx, CSRC / MAIN, Path(tmp))) + "\n\n"
+            log.write_text(" ".join(_command(cxx, CSRC / main, Path(tmp))) + "\n\n"
                            + proc.stdout + proc.stderr)
             lines = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
             first = (lines or proc.stderr.strip().splitlines() or ["no output"])[0]
@@ -114,22 +125,23 @@ def _compile(cxx: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def load() -> Built:
-    """Load the cached library, compiling it first if needed; never raises."""
+def load(main: str = MAIN) -> Built:
+    """Load the cached library built from `main` (MAIN or FIT), compiling it first if
+    needed; never raises."""
     with _lock:
         t0 = time.perf_counter()
         cxx = compiler()
         if cxx is None:
             return Built(None, 0.0, "no C++ compiler found (install g++ or set CXX)")
         try:
-            target = cache_dir() / f"tq_cpu-{build_key(cxx)}.so"
+            target = cache_dir() / f"{Path(main).stem}-{build_key(cxx, main)}.so"
             compiled = not target.exists()
             if compiled:
                 try:
-                    _compile(cxx, target)
+                    _compile(cxx, target, main)
                 except OSError:  # an unwritable cache: build for this process only
                     target = Path(tempfile.mkdtemp(prefix="tq-kernels-")) / target.name
-                    _compile(cxx, target)
+                    _compile(cxx, target, main)
             torch.ops.load_library(str(target))
         except Exception as e:  # a failed build must never stop a model from running
             return Built(None, 0.0, str(e) or type(e).__name__)

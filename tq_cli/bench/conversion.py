@@ -54,11 +54,31 @@ def copy_seconds(src: Path, scratch: Path, min_s: float = 0.5) -> float:
     return min(times)
 
 
+# The child reports its own peak: the kernel charges a child's ru_maxrss with the RSS of
+# the process it was forked from until exec (Linux exec_mmap), so after a copy pass that
+# loaded the model, wait4 would report the parent's memory. VmHWM belongs to the new image.
+_CHILD = """\
+import atexit, sys
+def _peak():
+    try:
+        with open('/proc/self/status') as f:
+            kb = [ln.split()[1] for ln in f if ln.startswith('VmHWM:')]
+        sys.stderr.write('tq-bench-peak-kb %s\\n' % kb[0])
+    except (OSError, IndexError):
+        pass
+atexit.register(_peak)
+from tq_cli.app import main
+sys.argv = ['tq'] + sys.argv[1:]
+main()
+"""
+
+
 def convert_in_child(src: Path, out: Path, bits: int, device: torch.device,
-                     ) -> tuple[dict[str, Any], int]:
-    """Run `tq convert --json` in a child; returns its summary and peak RSS in bytes."""
-    cmd = [sys.executable, "-m", "tq_cli", "convert", str(src), "-o", str(out),
-           "--bits", str(bits), "--device", device.type, "--json", "--overwrite"]
+                     extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], int]:
+    """Run `tq convert --json` in a child (with `extra` options); returns its summary and
+    peak RSS in bytes (its own VmHWM; rusage where /proc is missing)."""
+    cmd = [sys.executable, "-c", _CHILD, "convert", str(src), "-o", str(out),
+           "--bits", str(bits), "--device", device.type, "--json", "--overwrite", *extra]
     with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
         proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -67,10 +87,12 @@ def convert_in_child(src: Path, out: Path, bits: int, device: torch.device,
         se.seek(0)
         stdout, stderr = so.read(), se.read()
     if proc.returncode != 0:
-        last = stderr.strip().splitlines()[-1:] or ["(no output)"]
+        last = [ln for ln in stderr.strip().splitlines() if not ln.startswith("tq-bench-peak-kb")]
         raise BenchChildError(f"tq convert {src} failed in the benchmark "
-                              f"(exit {proc.returncode}): {last[0]}")
-    return json.loads(stdout), usage.ru_maxrss * 1024
+                              f"(exit {proc.returncode}): {(last[-1:] or ['(no output)'])[0]}")
+    peaks = [int(ln.split()[1]) * 1024 for ln in stderr.splitlines()
+             if ln.startswith("tq-bench-peak-kb ")]
+    return json.loads(stdout), peaks[-1] if peaks else usage.ru_maxrss * 1024
 
 
 def run(device: torch.device, quick: bool, scratch: Path, bits: int = 4,
