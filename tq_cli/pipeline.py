@@ -99,29 +99,16 @@ def _get(q: queue.Queue, stop: threading.Event) -> object:
             continue
 
 
-def _stage(fn: Callable[[object], object], src: queue.Queue, dst: queue.Queue,
-           stop: threading.Event) -> None:
-    try:
-        while True:
-            item = _get(src, stop)
-            if item is _END or isinstance(item, BaseException):
-                _put(dst, item, stop)
-                return
-            _put(dst, fn(item), stop)
-    except _Stop:
-        return
-    except BaseException as e:
-        with contextlib.suppress(_Stop):
-            _put(dst, e, stop)
-
-
 def _workers(fn: Callable[[object], object], src: queue.Queue, dst: queue.Queue,
-             stop: threading.Event, count: int, lock: threading.Lock, left: list[int],
-             setup: Callable[[], None]) -> None:
-    """One of `count` threads running `fn` on items from `src`: each passes _END on to the
-    next, and the last one out forwards it to `dst`."""
+             stop: threading.Event, count: int = 1, lock: threading.Lock | None = None,
+             left: list[int] | None = None, setup: Callable[[], None] | None = None) -> None:
+    """One of `count` threads running `fn` on items from `src` (count 1: a plain pipeline
+    stage): each passes _END on to the next, and the last one out forwards it to `dst`."""
+    lock = lock or threading.Lock()
+    left = left if left is not None else [count]
     try:
-        setup()
+        if setup is not None:
+            setup()
         while True:
             item = _get(src, stop)
             if item is _END:
@@ -240,7 +227,7 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
     def rotate_stage() -> None:
         with contextlib.suppress(Exception):
             set_fit_threads(1)  # the rotation is cheap next to the fit: no parallel region
-        _stage(rotate, q_read, q_rot, stop)
+        _workers(rotate, q_read, q_rot, stop)
 
     threads = [
         threading.Thread(target=read_all, name="tq-read", daemon=True),

@@ -36,7 +36,7 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 MAIN = "tq_cpu.cpp"
-FIT = "fit_cpu.cpp"  # its own files are named fit_*; every other file belongs to MAIN
+FIT = "fit_cpu.cpp"  # its own files are named fit_*, shared_* go into both, the rest to MAIN
 FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", "-w"]
 _lock = threading.Lock()
 
@@ -83,10 +83,11 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
 
 
 def _sources(main: str) -> list[Path]:
-    """The files library `main` is built from: fit_* for FIT, all others for MAIN."""
+    """The files library `main` is built from: fit_* for FIT, all others for MAIN, and
+    shared_* (headers both include) for both."""
     fit = main == FIT
     return [f for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h", ".inc")
-            and f.name.startswith("fit_") == fit]
+            and (f.name.startswith("shared_") or f.name.startswith("fit_") == fit)]
 
 
 def build_key(cxx: str, main: str = MAIN) -> str:

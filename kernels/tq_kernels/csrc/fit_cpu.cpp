@@ -40,6 +40,8 @@
 #include <utility>
 #include <vector>
 
+#include "shared_hadamard.h"
+
 namespace tqfit {
 
 constexpr float kFp16Max = 65504.f;
@@ -355,19 +357,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> finish(const at::Tensor& w,
   return {packed, vals, en};
 }
 
-// Blocks of the blockwise Hadamard rotation (tq_kernels/rotation.py hadamard_blocks):
-// n // block full blocks, then the rest split into powers of two, largest first.
-std::vector<std::pair<int64_t, int64_t>> hadamard_blocks(int64_t n, int64_t block) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  int64_t start = 0;
-  for (; start + block <= n; start += block) out.emplace_back(start, block);
-  for (int64_t size = block / 2; size >= 1; size /= 2)
-    if (n - start >= size) {
-      out.emplace_back(start, size);
-      start += size;
-    }
-  return out;
-}
+using tqshared::hadamard_blocks;
 
 void rotate_(const at::Tensor& w, const at::Tensor& signs, int64_t block, int64_t isa) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 &&

@@ -28,6 +28,7 @@
 #include "avx512.h"
 #include "common.h"
 #include "scalar.h"
+#include "shared_hadamard.h"
 
 namespace tqcpu {
 namespace {
@@ -85,19 +86,7 @@ Kernels kernels_for(int isa, int bits) {
   }
 }
 
-// Blocks of the blockwise Hadamard rotation (tq_kernels/rotation.py hadamard_blocks):
-// n // block full blocks, then the rest split into powers of two, largest first.
-std::vector<std::pair<int64_t, int64_t>> hadamard_blocks(int64_t n, int64_t block) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  int64_t start = 0;
-  for (; start + block <= n; start += block) out.emplace_back(start, block);
-  for (int64_t size = block / 2; size >= 1; size /= 2)
-    if (n - start >= size) {
-      out.emplace_back(start, size);
-      start += size;
-    }
-  return out;
-}
+using tqshared::hadamard_blocks;
 
 struct Prep {
   const int8_t* signs;  // null: x is already rotated
