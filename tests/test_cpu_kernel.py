@@ -103,6 +103,36 @@ def test_odd_groups_and_widths(isa: str, bits: int, n: int, group: int, gemm: bo
     _check(got, _want(x, q, None, 0, None), torch.float32)
 
 
+@pytest.mark.parametrize("isa", cpu.ISAS)
+@pytest.mark.parametrize("gemm", [False, True], ids=["gemv", "gemm"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference"])
+def test_shared_input_is_rotated_once_and_never_stale(isa: str, gemm: bool, mode: str) -> None:
+    """q/k/v read one input: the kernel reuses its rotation, but never across a change of
+    weight width (layout), rotation, or an in-place write to x."""
+    _runs(isa)
+    n = 576
+    q4, q3 = _quantized(4, n, 64), _quantized(3, n, 64)
+    s64, s128 = _signs(n, 64), _signs(n, 128)
+    ctx = torch.inference_mode() if mode == "inference" else torch.no_grad()
+    with ctx:
+        x = torch.randn(17, n, generator=torch.Generator().manual_seed(5))
+
+        def run(q: QuantizedTensor, signs: torch.Tensor, block: int) -> None:
+            got = cpu.linear(x, signs, block, q.codes, q.scales, q.codebook, q.outlier_idx,
+                             q.outlier_val, None, bits=q.spec.bits, group_size=64,
+                             out_features=OUT, isa=isa, gemm_min_batch=1 if gemm else 0)
+            _check(got, _want(x, q, signs, block, None), torch.float32)
+
+        run(q4, s64, 64)
+        run(q4, s64, 64)
+        run(q3, s64, 64)      # another layout
+        run(q3, s128, 128)    # another rotation
+        x.mul_(-0.5)          # in place: same tensor, new values
+        run(q3, s128, 128)
+        x[3].zero_()
+        run(q3, s128, 128)
+
+
 def test_kernel_isa_follows_group_size() -> None:
     best = cpu.cpu_isa()
     assert cpu.kernel_isa(4, 128) == best

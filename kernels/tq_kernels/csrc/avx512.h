@@ -86,6 +86,45 @@ inline void decode(const uint8_t* p0, const uint8_t* p1, __m512 cb, const float*
   }
 }
 
+// x into the chunk layout (common.h, Layout) for one chunk of 16 * NV values: lane j of
+// output vector k takes r[j * NV + k]. Two-source permutes instead of a scalar loop.
+template <int NV>
+inline void permute_chunk(const float* r, float* q) {
+  if constexpr (NV == 1) {
+    _mm512_storeu_ps(q, _mm512_loadu_ps(r));
+  } else if constexpr (NV == 2) {
+    alignas(64) static constexpr int32_t even[16] = {0, 2, 4, 6, 8, 10, 12, 14,
+                                                     16, 18, 20, 22, 24, 26, 28, 30};
+    const __m512i e = _mm512_load_si512(even), o = _mm512_add_epi32(e, _mm512_set1_epi32(1));
+    const V a = _mm512_loadu_ps(r), b = _mm512_loadu_ps(r + 16);
+    _mm512_storeu_ps(q, _mm512_permutex2var_ps(a, e, b));
+    _mm512_storeu_ps(q + 16, _mm512_permutex2var_ps(a, o, b));
+  } else {
+    // Lanes 0-7 of output k come from r[0..31] (indices 4j + k), lanes 8-15 from r[32..63].
+    alignas(64) static constexpr int32_t stride4[16] = {0, 4, 8, 12, 16, 20, 24, 28,
+                                                        0, 4, 8, 12, 16, 20, 24, 28};
+    const __m512i base = _mm512_load_si512(stride4);
+    const V a = _mm512_loadu_ps(r), b = _mm512_loadu_ps(r + 16);
+    const V c = _mm512_loadu_ps(r + 32), d = _mm512_loadu_ps(r + 48);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32(k));
+      const V lo = _mm512_permutex2var_ps(a, idx, b), hi = _mm512_permutex2var_ps(c, idx, d);
+      _mm512_storeu_ps(q + 16 * k, _mm512_shuffle_f32x4(lo, hi, 0x44));
+    }
+  }
+}
+
+// r = x * signs (int8 +-1), 16 at a time.
+inline void sign_row(const float* x, const int8_t* s, float* r, int64_t n) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c));
+    const V sv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    _mm512_storeu_ps(r + c, _mm512_mul_ps(_mm512_loadu_ps(x + c), sv));
+  }
+  for (; c < n; ++c) r[c] = x[c] * s[c];
+}
+
 #include "rows.inc"
 
 }  // namespace tqcpu::avx512

@@ -102,6 +102,11 @@ inline void fwht_scalar(float* v, int64_t size) {
   for (int64_t j = 0; j < size; ++j) v[j] /= norm;
 }
 
+// r = x * signs (int8 +-1): the portable variant's sign flip.
+inline void sign_row_scalar(const float* x, const int8_t* s, float* r, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) r[c] = x[c] * s[c];
+}
+
 // The identity layout (scalar variant, and 8-bit codes): x zero-padded to K.
 inline void permute_identity(const float* r, float* q, int64_t n, int64_t K) {
   std::memcpy(q, r, n * sizeof(float));

@@ -16,11 +16,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -51,26 +53,28 @@ using RowsFn = void (*)(const Problem&, int64_t, int64_t);
 using DequantFn = void (*)(const Problem&, float*, int64_t, int64_t, int64_t);
 using PermuteFn = void (*)(const float*, float*, int64_t, int64_t);
 using FwhtFn = void (*)(float*, int64_t);
+using SignFn = void (*)(const float*, const int8_t*, float*, int64_t);
 
 struct Kernels {
   RowsFn gemv;
   DequantFn dequant;
   PermuteFn permute;  // x into the variant's layout (common.h)
   FwhtFn fwht;
+  SignFn sign;
 };
 
 constexpr Kernels kScalarKernels{&scalar::gemv_rows, &scalar::dequant_rows, &permute_identity,
-                                 &fwht_scalar};
+                                 &fwht_scalar, &sign_row_scalar};
 
 template <int BITS>
 Kernels simd_kernels(int isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (isa == kAvx512)
     return {&avx512::gemv_rows<BITS>, &avx512::dequant_rows<BITS>,
-            &avx512::permute_row<BITS>, &avx512::fwht};
+            &avx512::permute_row<BITS>, &avx512::fwht, &avx512::sign_row};
   if (isa == kAvx2)
     return {&avx2::gemv_rows<BITS>, &avx2::dequant_rows<BITS>, &avx2::permute_row<BITS>,
-            &avx2::fwht};
+            &avx2::fwht, &avx2::sign_row};
 #endif
   (void)isa;
   return kScalarKernels;
@@ -102,11 +106,14 @@ void prep_rows(const Prep& p, const T* x, float* xr, float* xp, int64_t m0, int6
   for (int64_t m = m0; m < m1; ++m) {
     const T* src = x + m * p.n;
     float* r = xr + m * p.n;
+    const float* xf = r;
+    if constexpr (std::is_same_v<T, float>) xf = src;
+    else for (int64_t c = 0; c < p.n; ++c) r[c] = static_cast<float>(src[c]);
     if (p.signs != nullptr) {
-      for (int64_t c = 0; c < p.n; ++c) r[c] = static_cast<float>(src[c]) * p.signs[c];
+      p.kernels.sign(xf, p.signs, r, p.n);
       for (const auto& [start, size] : p.blocks) p.kernels.fwht(r + start, size);
-    } else {
-      for (int64_t c = 0; c < p.n; ++c) r[c] = static_cast<float>(src[c]);
+    } else if (xf != r) {
+      std::memcpy(r, xf, p.n * sizeof(float));
     }
     p.kernels.permute(r, xp + m * p.K, p.n, p.K);
   }
@@ -226,6 +233,45 @@ void store(const float* y, at::Tensor& dst) {
   }
 }
 
+// The rotated activations of the last call on this thread, reused when the next call
+// gets the same tensor with the same rotation and layout: q/k/v (and gate/up) read one
+// input, so a Llama block rotates and permutes 4 inputs instead of 7. The entry holds a
+// reference to x, so its TensorImpl cannot be freed and reused by another tensor, and
+// the version counter catches in-place writes; inference tensors (no version counter)
+// and tensors that need gradients are never cached.
+struct PrepCache {
+  at::Tensor x;
+  int64_t version = -1;
+  const int8_t* signs = nullptr;
+  int64_t block = 0, bits = 0, K = 0;
+  int eisa = -1;
+  std::vector<float> xr, xp;
+
+  static bool cacheable(const at::Tensor& t) { return !t.is_inference() && !t.requires_grad(); }
+  bool holds(const at::Tensor& t, const int8_t* s, int64_t b, int e, int64_t nbits,
+             int64_t k) const {
+    return x.defined() && cacheable(t) && x.unsafeGetTensorImpl() == t.unsafeGetTensorImpl() &&
+           version == t._version() && signs == s && block == b && eisa == e &&
+           bits == nbits && K == k;
+  }
+  void store(const at::Tensor& t, const int8_t* s, int64_t b, int e, int64_t nbits,
+             int64_t k) {
+    const bool ok = cacheable(t);
+    x = ok ? t : at::Tensor();
+    version = ok ? t._version() : -1;
+    signs = s;
+    block = b;
+    eisa = e;
+    bits = nbits;
+    K = k;
+  }
+};
+
+PrepCache& prep_cache() {
+  static thread_local PrepCache cache;
+  return cache;
+}
+
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, int64_t block,
                   const at::Tensor& codes_in, const at::Tensor& scales_in,
                   const at::Tensor& codebook_in, const at::Tensor& outlier_idx_in,
@@ -278,26 +324,19 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   at::Tensor dst = at::empty(out_shape(x, out), x.options().dtype(
       x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf ? x.scalar_type()
                                                                        : at::kFloat));
-  static thread_local std::vector<float> act_buf, y_buf;
-  at::Tensor xp_t, y_t;  // the GEMM path's operands; the GEMV path uses scratch
-  float *xr, *xp, *y;
-  if (gemm) {
-    const auto fopt = x2.options().dtype(at::kFloat);
-    xp_t = at::empty({M, K}, fopt);
-    y_t = dst.scalar_type() == at::kFloat ? dst.view({M, out}) : at::empty({M, out}, fopt);
-    xr = scratch(act_buf, M * n);
-    xp = xp_t.data_ptr<float>();
-    y = y_t.data_ptr<float>();
-  } else {
-    xr = scratch(act_buf, M * (n + K));
-    xp = xr + M * n;
-    y = dst.scalar_type() == at::kFloat ? dst.data_ptr<float>() : scratch(y_buf, M * out);
-  }
+  static thread_local std::vector<float> y_buf;
   const Kernels kern = kernels_for(eisa, static_cast<int>(bits));
-  const Prep prep{signs_c.defined() ? signs_c.data_ptr<int8_t>() : nullptr,
-                  signs_c.defined() ? hadamard_blocks(n, block) : decltype(Prep::blocks){},
-                  kern, n, K};
-  prep_all(prep, x2, M, xr, xp);
+  const int8_t* sp = signs_c.defined() ? signs_c.data_ptr<int8_t>() : nullptr;
+  PrepCache& pc = prep_cache();
+  if (!pc.holds(x, sp, block, eisa, bits, K)) {
+    pc.store(x, sp, block, eisa, bits, K);
+    const Prep prep{sp, sp != nullptr ? hadamard_blocks(n, block) : decltype(Prep::blocks){},
+                    kern, n, K};
+    prep_all(prep, x2, M, scratch(pc.xr, M * n), scratch(pc.xp, M * K));
+  }
+  const float* xr = pc.xr.data();
+  float* xp = pc.xp.data();
+  float* y = dst.scalar_type() == at::kFloat ? dst.data_ptr<float>() : scratch(y_buf, M * out);
 
   const Planes pl = planes_for(static_cast<int>(bits));
   const Problem P{codes.data_ptr<uint8_t>(), codes.size(1), npad * pl.width[0] / 8,
@@ -307,7 +346,9 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   const Outliers o{oi, reinterpret_cast<const uint16_t*>(outlier_val.data_ptr<at::Half>()), k};
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (gemm) {
-    gemm_path(P, kern.dequant, L, o, xp_t, y_t);
+    const auto fopt = x2.options().dtype(at::kFloat);
+    gemm_path(P, kern.dequant, L, o, at::from_blob(xp, {M, K}, fopt),
+              at::from_blob(y, {M, out}, fopt));
     if (bp != nullptr)
       at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m)
