@@ -32,6 +32,9 @@ class ConvertSpec(BaseModel):
     damp: float = Field(0.01, gt=0.0, le=1.0, description="GPTQ damping, a fraction of the "
                         "mean diagonal of H")
     act_order: bool = False
+    synthetic_calib: int = Field(0, ge=0, le=1 << 20, description="data-free calibration: "
+                                 "tokens of random vocabulary run through the model for "
+                                 "GPTQ-style error feedback (0 = off)")
     target_bits: float | None = Field(None, gt=1.0, le=8.5, description="mixed precision: "
                                       "average bits per weight to reach")
     bit_choices: tuple[int, ...] = (2, 3, 4)
@@ -43,8 +46,12 @@ class ConvertSpec(BaseModel):
             raise ValueError(f"bit choices must be among 2, 3, 4, 8, got {bad[0]}")
         if not self.bit_choices:
             raise ValueError("bit choices are empty")
-        if self.act_order and self.calib is None:
-            raise ValueError("act_order needs a calibration file (--calib)")
+        if self.act_order and self.calib is None and not self.synthetic_calib:
+            raise ValueError("act_order needs a calibration (--calib or --synthetic-calib)")
+        if self.calib is not None and self.synthetic_calib:
+            raise ValueError("--synthetic-calib and --calib are alternatives; pass one of them")
+        if 0 < self.synthetic_calib < 2:
+            raise ValueError("--synthetic-calib needs at least 2 tokens (0 = off)")
         return self
 
 

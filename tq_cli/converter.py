@@ -8,8 +8,10 @@ flow of docs/design.md). The output folder's life (partial folder, resume, swap)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,13 +57,14 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
     """Convert SOURCE (folder or hub id) into a TurboQuant checkpoint at OUT."""
     spec = spec or ConvertSpec()
     out = Path(out).expanduser()
-    with output_lock(out):
-        return _convert(source, out, spec, on_plan, progress, log)
+    with output_lock(out), contextlib.ExitStack() as scratch:
+        return _convert(source, out, spec, on_plan, progress, log, scratch)
 
 
 def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
              on_plan: Callable[[Plan], None] | None, progress: ProgressFn | None,
-             log: Callable[[str], None] | None) -> ConvertResult:
+             log: Callable[[str], None] | None,
+             scratch: contextlib.ExitStack) -> ConvertResult:
     t0 = time.perf_counter()
     warnings: list[str] = []
 
@@ -85,9 +88,11 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
             f"{folder}: no tensor matches a quantize rule of recipe '{recipe.name}'; "
             "pass --recipe with one that fits this model")
     device = resolve_device(spec.device)
-    calib = _calibration(spec, model)
+    calib, synthetic = _calibration(spec, model, scratch, log)
     provenance: dict[str, Any] = {"seeds": seeds_record} if seeds_record else {}
-    if calib is not None:
+    if synthetic is not None:
+        provenance["calibration"] = synthetic | {"damp": spec.damp, "act_order": spec.act_order}
+    elif calib is not None:
         provenance["calibration"] = {
             "file": calib.calibration.path.name, "sha256": calib.calibration.sha256,
             "damp": spec.damp, "act_order": spec.act_order,
@@ -169,14 +174,30 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     return result
 
 
-def _calibration(spec: ConvertSpec, model: SourceModel) -> CalibOptions | None:
-    if spec.calib is None:
-        return None
+def _calibration(spec: ConvertSpec, model: SourceModel, scratch: contextlib.ExitStack,
+                 log: Callable[[str], None] | None) -> tuple[CalibOptions | None, dict | None]:
+    """The calibration GPTQ uses, if any, and with --synthetic-calib the record of the
+    random-token calibration made for this run (in a temporary folder `scratch` removes)."""
     from tq_cli.io.calibration import read_calibration
 
+    if spec.synthetic_calib:
+        from tq_cli.selfcal import synthetic_calibration
+
+        folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="tq-synth-")))
+        if log:
+            log(f"--synthetic-calib: running the model on {spec.synthetic_calib} random "
+                "tokens first")
+        path, record = synthetic_calibration(model.folder, model.config, spec.synthetic_calib,
+                                             spec.rotation.seed, folder, spec.device,
+                                             spec.recipe)
+        calibration = read_calibration(path)
+        calibration.check_source(model)
+        return CalibOptions(calibration, spec.damp, spec.act_order), record
+    if spec.calib is None:
+        return None, None
     calibration = read_calibration(spec.calib)
     calibration.check_source(model)
-    return CalibOptions(calibration, spec.damp, spec.act_order)
+    return CalibOptions(calibration, spec.damp, spec.act_order), None
 
 
 def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,

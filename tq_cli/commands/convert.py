@@ -35,7 +35,8 @@ EPILOG = """Examples:
 # Flags of convert's own fields; the shared quantization flags are named by tq_cli.options.
 FLAGS = {
     "device": "--device", "max_shard_bytes": "--shard-size", "bit_choices": "--bit-choices",
-    "target_bits": "--target-bits", "damp": "--damp", "": "convert options",
+    "target_bits": "--target-bits", "damp": "--damp", "synthetic_calib": "--synthetic-calib",
+    "": "convert options",
     "quant": "quantization options", "rotation": "rotation options",
 }
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
@@ -77,6 +78,10 @@ def main(
                                "the mean diagonal of H."),
     act_order: bool = typer.Option(False, "--act-order", help="With --calib: quantize columns "
                                    "in order of decreasing H diagonal."),
+    synthetic_calib: int = typer.Option(0, "--synthetic-calib", help="Data-free calibration: "
+                                        "run the model on this many random tokens (e.g. "
+                                        "8192) and quantize GPTQ-style with what it saw; "
+                                        "0 = off."),
     target_bits: float | None = typer.Option(None, "--target-bits", help="Mixed precision: "
                                              "choose each tensor's bits for this average."),
     bit_choices: str = typer.Option("2,3,4", "--bit-choices", help="With --target-bits: the "
@@ -100,7 +105,8 @@ def main(
             "overwrite": overwrite, "resume": resume, "max_shard_bytes": parse_size(shard_size),
             "seeds_file": str(seeds) if seeds is not None else None,
             "calib": str(calib) if calib is not None else None, "damp": damp,
-            "act_order": act_order, "target_bits": target_bits,
+            "act_order": act_order, "synthetic_calib": synthetic_calib,
+            "target_bits": target_bits,
             "bit_choices": _choices(bit_choices),
         })
     except ValueError as e:  # pydantic's ValidationError, or --temperature's parser
