@@ -48,25 +48,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """tq: TurboQuant conversion toolchain."""
 
 
-def _bound_heap_growth() -> None:
-    """Return freed tensor memory to the OS promptly (glibc only).
-
-    glibc raises its mmap threshold after large frees, so later tensors of a few MB land
-    in the heap and fragment it; a long conversion's RSS then creeps upward with the
-    number of tensors. A fixed 1 MiB threshold keeps peak memory flat.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def main() -> None:
-    _bound_heap_growth()
     try:
         app()
     except Exception as e:  # whatever a command let through: still one line

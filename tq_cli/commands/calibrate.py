@@ -11,7 +11,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from tq_cli.commands._common import emit_json, progress_bar, run_library, stdout, usage_error
+from tq_cli.commands._common import (
+    bound_heap_growth,
+    emit_json,
+    progress_bar,
+    run_library,
+    stdout,
+    usage_error,
+)
 
 HELP = "Run a model on calibration text and save each converted layer's input statistics."
 EPILOG = """Examples:
@@ -63,6 +70,7 @@ def main(
         def warn(msg: str) -> None:
             bar.console.print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
 
+        bound_heap_growth()  # 698 MB peak on SmolLM2 instead of 1,182, for 5 s of faults
         result = run_library(lambda: calibrate(source, out, spec, progress=on_block, warn=warn))
     summary = result.summary()
     if as_json:

@@ -11,6 +11,7 @@ from rich.progress import TaskID
 from rich.table import Table
 
 from tq_cli.commands._common import (
+    bound_heap_growth,
     emit_json,
     quant_option,
     quant_values,
@@ -113,6 +114,8 @@ def main(
         raise (usage_error(e, FLAGS) if isinstance(e, ValidationError)
                else typer.BadParameter(str(e), param_hint="--temperature")) from None
 
+    if spec.calib is None:  # with a calibration file GPTQ alone decides (_common.py)
+        bound_heap_growth()
     with tensor_progress() as bar:
         tasks: dict[str, TaskID] = {}
 
