@@ -133,6 +133,25 @@ def test_shared_input_is_rotated_once_and_never_stale(isa: str, gemm: bool, mode
         run(q3, s128, 128)
 
 
+def test_large_inputs_are_not_kept() -> None:
+    """Above 256 MiB of rotated activations the buffers are freed after the call (a long
+    prefill of a wide layer); the next calls, on the same tensor too, are still exact."""
+    n = 576
+    q = _quantized(4, n, 64)
+    signs = _signs(n, 64)
+    x = torch.randn(60_000, n, generator=torch.Generator().manual_seed(9))  # 2 x 138 MB
+
+    def run() -> torch.Tensor:
+        return cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
+                          q.outlier_val, None, bits=4, group_size=64, out_features=OUT)
+
+    want = _want(x, q, signs, 64, None)
+    _check(run(), want, torch.float32)
+    _check(run(), want, torch.float32)
+    x[:7].mul_(3.0)
+    _check(run(), _want(x, q, signs, 64, None), torch.float32)
+
+
 def test_kernel_isa_follows_group_size() -> None:
     best = cpu.cpu_isa()
     assert cpu.kernel_isa(4, 128) == best

@@ -133,8 +133,9 @@ def bound_heap_growth() -> None:
     glibc raises its mmap threshold after large frees, so later tensors of a few MB land
     in the heap and fragment it; a long data-free conversion's RSS then creeps upward
     with the number of tensors. A fixed 1 MiB threshold keeps its peak memory flat.
-    `tq calibrate` sets it (its peak on SmolLM2 is 698 MB with it, 1,182 MB without, for
-    5 s of page faults), and so does `tq convert`, except with `--calib`: GPTQ
+    `tq calibrate` and `tq eval --sweep` set it (calibrate's peak on SmolLM2 is 698 MB
+    with it, 1,182 MB without, for 5 s of page faults), and so does `tq convert`,
+    except with `--calib`: GPTQ
     allocates and frees large temporaries all the time, and a fresh mmap for each cost
     SmolLM2 50 s of page faults (83 s wall against 54 s, for a peak of 457 MB against
     735 MB). `--synthetic-calib` keeps it, since its calibration forward is what sets

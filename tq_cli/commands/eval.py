@@ -10,7 +10,14 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from tq_cli.commands._common import emit_json, progress_bar, run_library, stderr, stdout
+from tq_cli.commands._common import (
+    bound_heap_growth,
+    emit_json,
+    progress_bar,
+    run_library,
+    stderr,
+    stdout,
+)
 
 HELP = "Measure what quantization costs: perplexity, KL and agreement, or embedding fidelity."
 EPILOG = """Examples:
@@ -100,6 +107,7 @@ def main(
             kv_compare, needle, needle_lengths, needle_seeds, as_json)
         return
     if sweep is not None:
+        bound_heap_growth()  # a sweep converts one checkpoint after another
         _sweep(candidate, sweep, rtn, body, spec, scratch, as_json)
         return
     from tq_cli.evaluate import evaluate

@@ -238,8 +238,10 @@ void store(const float* y, at::Tensor& dst) {
 // input, so a Llama block rotates and permutes 4 inputs instead of 7. The entry holds a
 // reference to x, so its TensorImpl cannot be freed and reused by another tensor, and
 // the version counter catches in-place writes; inference tensors (no version counter)
-// and tensors that need gradients are never cached.
+// and tensors that need gradients are never cached. Buffers above 256 MiB are freed after
+// the call (PrepCache::trim), which bounds what the cache keeps alive.
 struct PrepCache {
+  static constexpr size_t kCacheBytes = size_t{256} << 20;
   at::Tensor x;
   int64_t version = -1;
   const int8_t* signs = nullptr;
@@ -253,6 +255,15 @@ struct PrepCache {
     return x.defined() && cacheable(t) && x.unsafeGetTensorImpl() == t.unsafeGetTensorImpl() &&
            version == t._version() && signs == s && block == b && eisa == e &&
            bits == nbits && K == k;
+  }
+  // After a call: buffers above kCacheBytes (a long prefill of a wide layer) are freed
+  // rather than kept for the next call, so the cache never holds more than that.
+  void trim() {
+    if ((xr.capacity() + xp.capacity()) * sizeof(float) <= kCacheBytes) return;
+    x = at::Tensor();
+    version = -1;
+    std::vector<float>().swap(xr);
+    std::vector<float>().swap(xp);
   }
   void store(const at::Tensor& t, const int8_t* s, int64_t b, int e, int64_t nbits,
              int64_t k) {
@@ -361,6 +372,7 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
     });
   }
   store(y, dst);
+  pc.trim();
   return x.scalar_type() == dst.scalar_type() ? dst : dst.to(x.scalar_type());
 }
 
