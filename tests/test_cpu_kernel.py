@@ -131,6 +131,16 @@ def test_shared_input_is_rotated_once_and_never_stale(isa: str, gemm: bool, mode
         run(q3, s128, 128)
         x[3].zero_()
         run(q3, s128, 128)
+        # Signs the kernel converts per call are a new tensor each time; one freed after a
+        # call must not be mistaken for another allocated at the same address.
+        other = _signs(n, 64) * torch.where(torch.arange(n) % 3 == 0, -1, 1).to(s64.dtype)
+        for signs in (s64.float(), other.float(), s64.float(), other.float()):
+            run(q4, signs, 64)
+        # `.data =` keeps the TensorImpl and its version: new rows, then new values.
+        x.data = torch.randn(40, n, generator=torch.Generator().manual_seed(6))
+        run(q4, s64, 64)
+        x.data = torch.randn(40, n, generator=torch.Generator().manual_seed(7))
+        run(q4, s64, 64)
 
 
 def test_large_inputs_are_not_kept() -> None:

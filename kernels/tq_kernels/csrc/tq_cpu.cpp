@@ -236,41 +236,54 @@ void store(const float* y, at::Tensor& dst) {
 // The rotated activations of the last call on this thread, reused when the next call
 // gets the same tensor with the same rotation and layout: q/k/v (and gate/up) read one
 // input, so a Llama block rotates and permutes 4 inputs instead of 7. The entry holds a
-// reference to x, so its TensorImpl cannot be freed and reused by another tensor, and
-// the version counter catches in-place writes; inference tensors (no version counter)
+// reference to x and to the signs it used, so neither TensorImpl can be freed and its
+// address reused by another tensor (signs converted per call are a new tensor each
+// time: a miss, never a false hit), and version counters catch in-place writes; inference tensors (no version counter)
 // and tensors that need gradients are never cached. Buffers above 256 MiB are freed after
 // the call (PrepCache::trim), which bounds what the cache keeps alive.
 struct PrepCache {
   static constexpr size_t kCacheBytes = size_t{256} << 20;
-  at::Tensor x;
-  int64_t version = -1;
-  const int8_t* signs = nullptr;
+  at::Tensor x, signs;  // signs undefined: no rotation
+  int64_t version = -1, signs_version = -1;
+  const void* data = nullptr;  // x's data, shape and dtype too: a `.data =` swap keeps the
+  int64_t rows = 0, cols = 0;  // TensorImpl and version (writes through `.data` or numpy
+  at::ScalarType dtype = at::kFloat;  // into the same storage cannot be seen at all)
   int64_t block = 0, bits = 0, K = 0;
   int eisa = -1;
-  std::vector<float> xr, xp;
+  std::vector<float> xr, xp, y;  // y: float32 results for bf16/fp16 outputs (not cached)
 
   static bool cacheable(const at::Tensor& t) { return !t.is_inference() && !t.requires_grad(); }
-  bool holds(const at::Tensor& t, const int8_t* s, int64_t b, int e, int64_t nbits,
+  static int64_t version_of(const at::Tensor& t) { return t.defined() ? t._version() : -1; }
+  bool holds(const at::Tensor& t, const at::Tensor& s, int64_t b, int e, int64_t nbits,
              int64_t k) const {
     return x.defined() && cacheable(t) && x.unsafeGetTensorImpl() == t.unsafeGetTensorImpl() &&
-           version == t._version() && signs == s && block == b && eisa == e &&
-           bits == nbits && K == k;
+           version == t._version() && data == t.data_ptr() && dtype == t.scalar_type() &&
+           rows * cols == t.numel() && cols == t.size(-1) && signs.defined() == s.defined() &&
+           (!s.defined() || (signs.unsafeGetTensorImpl() == s.unsafeGetTensorImpl() &&
+                             signs_version == version_of(s))) &&
+           block == b && eisa == e && bits == nbits && K == k;
   }
   // After a call: buffers above kCacheBytes (a long prefill of a wide layer) are freed
   // rather than kept for the next call, so the cache never holds more than that.
   void trim() {
+    if (y.capacity() * sizeof(float) > kCacheBytes) std::vector<float>().swap(y);
     if ((xr.capacity() + xp.capacity()) * sizeof(float) <= kCacheBytes) return;
-    x = at::Tensor();
+    x = signs = at::Tensor();
     version = -1;
     std::vector<float>().swap(xr);
     std::vector<float>().swap(xp);
   }
-  void store(const at::Tensor& t, const int8_t* s, int64_t b, int e, int64_t nbits,
+  void store(const at::Tensor& t, const at::Tensor& s, int64_t b, int e, int64_t nbits,
              int64_t k) {
-    const bool ok = cacheable(t);
+    const bool ok = cacheable(t) && (!s.defined() || cacheable(s));
     x = ok ? t : at::Tensor();
     version = ok ? t._version() : -1;
-    signs = s;
+    signs = ok ? s : at::Tensor();
+    signs_version = ok ? version_of(s) : -1;
+    data = t.data_ptr();
+    dtype = t.scalar_type();
+    cols = t.dim() > 0 ? t.size(-1) : 0;
+    rows = cols > 0 ? t.numel() / cols : 0;
     block = b;
     eisa = e;
     bits = nbits;
@@ -335,19 +348,19 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   at::Tensor dst = at::empty(out_shape(x, out), x.options().dtype(
       x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf ? x.scalar_type()
                                                                        : at::kFloat));
-  static thread_local std::vector<float> y_buf;
   const Kernels kern = kernels_for(eisa, static_cast<int>(bits));
   const int8_t* sp = signs_c.defined() ? signs_c.data_ptr<int8_t>() : nullptr;
   PrepCache& pc = prep_cache();
-  if (!pc.holds(x, sp, block, eisa, bits, K)) {
-    pc.store(x, sp, block, eisa, bits, K);
+  if (!pc.holds(x, signs_c, block, eisa, bits, K)) {
+    pc.x = at::Tensor();  // invalid until the buffers hold this input
     const Prep prep{sp, sp != nullptr ? hadamard_blocks(n, block) : decltype(Prep::blocks){},
                     kern, n, K};
     prep_all(prep, x2, M, scratch(pc.xr, M * n), scratch(pc.xp, M * K));
+    pc.store(x, signs_c, block, eisa, bits, K);
   }
   const float* xr = pc.xr.data();
   float* xp = pc.xp.data();
-  float* y = dst.scalar_type() == at::kFloat ? dst.data_ptr<float>() : scratch(y_buf, M * out);
+  float* y = dst.scalar_type() == at::kFloat ? dst.data_ptr<float>() : scratch(pc.y, M * out);
 
   const Planes pl = planes_for(static_cast<int>(bits));
   const Problem P{codes.data_ptr<uint8_t>(), codes.size(1), npad * pl.width[0] / 8,
