@@ -8,16 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from typer.testing import CliRunner
+from weighted import weighted_errors
 
 from tq_cli.app import app
 from tq_cli.calibrate import CalibSpec, calibrate
 from tq_cli.converter import ConvertSpec, convert
 from tq_cli.errors import TqError
-from tq_cli.gptq import relative_weighted_error, rotate_hessian
 from tq_cli.io.calibration import Calibration, read_calibration
-from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.manifest import read_manifest
-from tq_cli.quantizer import dequantize_rotated
 from tq_cli.spec import QuantSpec
 
 runner = CliRunner()
@@ -31,24 +29,6 @@ def calib_file(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return out
 
 
-def _weighted_errors(folder: Path, calib: Calibration) -> dict[str, float]:
-    ck = Checkpoint(folder)
-    out = {}
-    for t in ck.manifest["tensors"]:
-        if t["action"] != "quantize":
-            continue
-        q = ck.quantized(t["name"])
-        from tq_cli.io.safetensors_reader import open_source, read_tensor
-
-        src = open_source(Path(ck.manifest["source"]["path"]))
-        w_rot = q.rotation.rotate_rows(read_tensor(src.tensors[t["name"]]).float())
-        h = calib.hessian(t["name"])
-        assert h is not None
-        out[t["name"]] = relative_weighted_error(w_rot, dequantize_rotated(q),
-                                                 rotate_hessian(h, q.rotation))
-    return out
-
-
 def test_calibrated_convert_beats_data_free(tiny_llama: Path, calib_file: Path,
                                             tmp_path: Path) -> None:
     free, cal = tmp_path / "free", tmp_path / "cal"
@@ -59,7 +39,7 @@ def test_calibrated_convert_beats_data_free(tiny_llama: Path, calib_file: Path,
     assert m["calibration"]["file"] == "tiny.calib" and m["calibration"]["damp"] == 0.01
     assert m["calibration"]["sha256"] == read_calibration(calib_file).sha256
     calib = read_calibration(calib_file)
-    e_free, e_cal = _weighted_errors(free, calib), _weighted_errors(cal, calib)
+    e_free, e_cal = weighted_errors(free, calib), weighted_errors(cal, calib)
     for t in m["tensors"]:
         if t["action"] == "quantize":
             assert t["calibrated"] is True

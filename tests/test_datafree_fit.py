@@ -6,15 +6,13 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+from weighted import weighted_errors
 
 from tq_cli.app import app
 from tq_cli.converter import ConvertSpec, convert
-from tq_cli.gptq import relative_weighted_error, rotate_hessian
 from tq_cli.io.calibration import read_calibration
-from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.manifest import read_manifest
-from tq_cli.io.safetensors_reader import open_source, read_tensor
-from tq_cli.quantizer import dequantize_rotated
+from tq_cli.io.safetensors_reader import open_source
 from tq_cli.selfcal import random_token_ids, synthetic_calibration, synthetic_plan
 from tq_cli.spec import QuantSpec
 
@@ -46,24 +44,6 @@ def test_random_ids_skip_special_tokens_and_follow_the_seed() -> None:
         random_token_ids(2, {0, 1}, 10, seed=0)
 
 
-def _weighted(folder: Path, calib_path: Path) -> dict[str, float]:
-    """Each converted tensor's tr(dW H dW^T) / tr(W H W^T) under the given calibration."""
-    calib = read_calibration(calib_path)
-    ck = Checkpoint(folder)
-    src = open_source(Path(ck.manifest["source"]["path"]))
-    out = {}
-    for t in ck.manifest["tensors"]:
-        if t["action"] != "quantize":
-            continue
-        q = ck.quantized(t["name"])
-        w_rot = q.rotation.rotate_rows(read_tensor(src.tensors[t["name"]]).float())
-        h = calib.hessian(t["name"])
-        assert h is not None
-        out[t["name"]] = relative_weighted_error(w_rot, dequantize_rotated(q),
-                                                 rotate_hessian(h, q.rotation))
-    return out
-
-
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_bert"])
 def test_synthetic_calibration_lowers_the_output_error(model: str, tmp_path: Path,
                                                        request: pytest.FixtureRequest) -> None:
@@ -87,7 +67,8 @@ def test_synthetic_calibration_lowers_the_output_error(model: str, tmp_path: Pat
     folder.mkdir()
     path, record = synthetic_calibration(source, src.config, TOKENS, 0, folder, "cpu", None)
     assert record["text_sha256"] == cal["text_sha256"]
-    e_free, e_syn = _weighted(free, path), _weighted(syn, path)
+    calib = read_calibration(path)
+    e_free, e_syn = weighted_errors(free, calib), weighted_errors(syn, calib)
     assert sum(e_syn.values()) < sum(e_free.values())
     assert sum(e_syn[k] < e_free[k] for k in e_free) > len(e_free) // 2
 

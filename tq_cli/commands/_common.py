@@ -135,11 +135,11 @@ def bound_heap_growth() -> None:
     with the number of tensors. A fixed 1 MiB threshold keeps its peak memory flat.
     `tq calibrate` and `tq eval --sweep` set it (calibrate's peak on SmolLM2 is 698 MB
     with it, 1,182 MB without, for 5 s of page faults), and so does `tq convert`,
-    except with `--calib`: GPTQ
-    allocates and frees large temporaries all the time, and a fresh mmap for each cost
-    SmolLM2 50 s of page faults (83 s wall against 54 s, for a peak of 457 MB against
-    735 MB). `--synthetic-calib` keeps it, since its calibration forward is what sets
-    the peak (751 MB and 174 s with it, 1,748 MB and 119 s without).
+    except with `--calib`: GPTQ allocates and frees large temporaries all the time, and
+    a fresh mmap for each cost SmolLM2 50 s of page faults (83 s wall against 54 s, for
+    a peak of 457 MB against 735 MB). `--synthetic-calib` keeps it, since its
+    calibration forward is what sets the peak (751 MB and 174 s with it, 1,748 MB and
+    119 s without).
     """
     try:
         import ctypes

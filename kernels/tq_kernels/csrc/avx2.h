@@ -109,15 +109,10 @@ inline void permute_chunk(const float* r, float* q) {
     for (int j = 0; j < kLanes; ++j) q[k * kLanes + j] = r[j * NV + k];
 }
 
-// r = x * signs (int8 +-1), 8 at a time.
-inline void sign_row(const float* x, const int8_t* s, float* r, int64_t n) {
-  int64_t c = 0;
-  for (; c + 8 <= n; c += 8) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + c));
-    const V sv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    _mm256_storeu_ps(r + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), sv));
-  }
-  for (; c < n; ++c) r[c] = x[c] * s[c];
+// kLanes int8 signs (+-1) as floats.
+inline V vsigns(const int8_t* s) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
 }
 
 #include "rows.inc"

@@ -114,15 +114,10 @@ inline void permute_chunk(const float* r, float* q) {
   }
 }
 
-// r = x * signs (int8 +-1), 16 at a time.
-inline void sign_row(const float* x, const int8_t* s, float* r, int64_t n) {
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c));
-    const V sv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    _mm512_storeu_ps(r + c, _mm512_mul_ps(_mm512_loadu_ps(x + c), sv));
-  }
-  for (; c < n; ++c) r[c] = x[c] * s[c];
+// kLanes int8 signs (+-1) as floats.
+inline V vsigns(const int8_t* s) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
 }
 
 #include "rows.inc"

@@ -238,9 +238,10 @@ void store(const float* y, at::Tensor& dst) {
 // input, so a Llama block rotates and permutes 4 inputs instead of 7. The entry holds a
 // reference to x and to the signs it used, so neither TensorImpl can be freed and its
 // address reused by another tensor (signs converted per call are a new tensor each
-// time: a miss, never a false hit), and version counters catch in-place writes; inference tensors (no version counter)
-// and tensors that need gradients are never cached. Buffers above 256 MiB are freed after
-// the call (PrepCache::trim), which bounds what the cache keeps alive.
+// time: a miss, never a false hit), and version counters catch in-place writes.
+// Inference tensors (no version counter) and tensors that need gradients are never
+// cached. Buffers above 256 MiB are freed after the call (PrepCache::trim), which bounds
+// what the cache keeps alive.
 struct PrepCache {
   static constexpr size_t kCacheBytes = size_t{256} << 20;
   at::Tensor x, signs;  // signs undefined: no rotation

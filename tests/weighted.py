@@ -1,0 +1,28 @@
+"""Test helper: a checkpoint's output-aware error under a calibration's Hessians."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tq_cli.gptq import relative_weighted_error, rotate_hessian
+from tq_cli.io.calibration import Calibration
+from tq_cli.io.checkpoint import Checkpoint
+from tq_cli.io.safetensors_reader import open_source, read_tensor
+from tq_cli.quantizer import dequantize_rotated
+
+
+def weighted_errors(folder: Path, calib: Calibration) -> dict[str, float]:
+    """Each converted tensor's tr(dW H dW^T) / tr(W H W^T) under `calib`."""
+    ck = Checkpoint(folder)
+    src = open_source(Path(ck.manifest["source"]["path"]))
+    out = {}
+    for t in ck.manifest["tensors"]:
+        if t["action"] != "quantize":
+            continue
+        q = ck.quantized(t["name"])
+        w_rot = q.rotation.rotate_rows(read_tensor(src.tensors[t["name"]]).float())
+        h = calib.hessian(t["name"])
+        assert h is not None
+        out[t["name"]] = relative_weighted_error(w_rot, dequantize_rotated(q),
+                                                 rotate_hessian(h, q.rotation))
+    return out
