@@ -3,7 +3,9 @@
 Everything runs on the same device in the same run, and the gated numbers are ratios, so
 a slower or busier machine moves both sides. Per shape and batch: tq's matmul alone, the
 rotation alone, the whole TQLinear forward (rotation, matmul, 0.1% outliers, as one call
-on CPU), and `F.linear` with the weight in float32 and in bfloat16. Achieved GB/s of
+on CPU), `F.linear` with the weight in float32 and in bfloat16, and the whole forward
+again with bfloat16 activations (what a bf16 model runs; "bf16 layer/bf16" sets it
+against the bf16 `F.linear`). Achieved GB/s of
 weight bytes is set against the memory bandwidth: on CUDA the device's theoretical peak,
 on CPU a large copy measured here (bytes read + written per second). On CUDA each call
 is a replayed CUDA graph (launch overhead out, as in a decode loop).
@@ -148,7 +150,7 @@ def _shape_rows(out_f: int, in_f: int, bits: int, batches: list[int], device: to
             progress(f"kernels {bits}-bit {out_f}x{in_f} batch {m}")
         x = torch.randn(m, in_f, generator=gen).to(device, dtype)
         x_bf16 = x.to(torch.bfloat16)
-        t_mm, t_rot, t_layer, t_ref, t_bf16 = time_us([
+        t_mm, t_rot, t_layer, t_ref, t_bf16, t_layer_bf16 = time_us([
             lambda x=x: dispatch.grouped_matmul(  # type: ignore[misc]
                 x, ops["codes"], ops["scales"], ops["codebook"], **kw),
             lambda x=x: dispatch.rotate(x, signs, GROUP),  # type: ignore[misc]
@@ -157,6 +159,9 @@ def _shape_rows(out_f: int, in_f: int, bits: int, batches: list[int], device: to
                 ops["outlier_idx"], ops["outlier_val"], None, **kw),
             lambda x=x: F.linear(x, weight),  # type: ignore[misc]
             lambda x=x_bf16: F.linear(x, weight_bf16),  # type: ignore[misc]
+            lambda x=x_bf16: dispatch.linear(  # type: ignore[misc]
+                x, signs, GROUP, ops["codes"], ops["scales"], ops["codebook"],
+                ops["outlier_idx"], ops["outlier_val"], None, **kw),
         ], device)
         # The layer is one fused call on CPU; elsewhere rotation and matmul run apart and
         # the sum of the two is what a forward costs (outliers aside).
@@ -169,6 +174,7 @@ def _shape_rows(out_f: int, in_f: int, bits: int, batches: list[int], device: to
             "torch_dtype": str(dtype).removeprefix("torch."),
             "matmul_over_torch": t_mm / t_ref, "with_rotation_over_torch": layer / t_ref,
             "matmul_over_bf16": t_mm / t_bf16,
+            "tq_layer_bf16_us": t_layer_bf16, "bf16_layer_over_bf16": t_layer_bf16 / t_bf16,
             "tq_gb_s": weight_bytes / t_mm / 1e3,
             "torch_gb_s": weight.numel() * weight.element_size() / t_ref / 1e3,
         }
@@ -200,7 +206,8 @@ def run(device: torch.device, quick: bool, bits: int = 4,
             rows += _shape_rows(out_f, in_f, b, batches, device, dtype, gen, bandwidth, progress)
     for r in rows:
         key = f"kernels.{device.type}.{r['shape']}.b{r['batch']}.{r['bits']}bit"
-        for col in ("matmul_over_torch", "with_rotation_over_torch", "matmul_over_bf16"):
+        for col in ("matmul_over_torch", "with_rotation_over_torch", "matmul_over_bf16",
+                    "bf16_layer_over_bf16"):
             metrics[f"{key}.{col}"] = Metric(r[col], "info")
     # One gated number per section and shape set: single small timings are too noisy to
     # gate on a shared machine, their geometric mean is not.

@@ -48,7 +48,8 @@ HEADERS = {
     "tq_matmul_us": "tq µs", "tq_rotate_us": "rot µs", "tq_layer_us": "layer µs",
     "torch_linear_us": "torch µs", "torch_bf16_us": "bf16 µs",
     "matmul_over_torch": "tq/torch", "with_rotation_over_torch": "layer/torch",
-    "matmul_over_bf16": "tq/bf16",
+    "matmul_over_bf16": "tq/bf16", "tq_layer_bf16_us": "bf16 layer µs",
+    "bf16_layer_over_bf16": "bf16 layer/bf16",
     "tq_gb_s": "tq GB/s", "torch_gb_s": "torch GB/s", "tq_bandwidth_fraction": "of bw",
     "source_mb": "MB", "convert_s": "convert s", "copy_s": "copy s",
     "convert_over_copy": "convert/copy", "convert_mb_s": "MB/s", "peak_rss_mb": "peak RSS MB",
@@ -79,7 +80,8 @@ def print_tables(result: dict[str, Any]) -> None:
         k0 = s["kernels"][0]
         cols = ["shape", "bits", "batch", "tq_matmul_us", "tq_rotate_us", "tq_layer_us",
                 "torch_linear_us", "torch_bf16_us", "matmul_over_torch",
-                "with_rotation_over_torch", "matmul_over_bf16", "tq_gb_s"]
+                "with_rotation_over_torch", "matmul_over_bf16", "tq_layer_bf16_us",
+                "bf16_layer_over_bf16", "tq_gb_s"]
         caption = ("fastest of up to 50 runs on CPU, median of CUDA graph replays on CUDA; "
                    "random codes, 0.1% outliers; layer = rotation + matmul + "
                    "outliers; GB/s of weight bytes read")

@@ -152,13 +152,20 @@ int64_t row_grain(int64_t n, int64_t M) {
 
 constexpr int64_t kBufferBytes = int64_t{8} << 20;  // per GEMM block: stays in L3
 
+// bf16: for bfloat16 activations the dequantized block and the rotated activations are
+// rounded to bfloat16 and multiplied by torch's bf16 GEMM (oneDNN; AVX512-BF16 or AMX
+// where the CPU has them), as F.linear does for a bf16 model; float32 accumulation, a
+// float32 result.
 void gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outliers& o,
-               const at::Tensor& xp, const at::Tensor& y) {
-  static thread_local at::Tensor buffer;  // reused across layers and calls
+               const at::Tensor& xp, const at::Tensor& y, bool bf16) {
+  static thread_local at::Tensor buffer, low;  // reused across layers and calls
   const int64_t out = y.size(1);
   const int64_t rows = std::clamp<int64_t>(kBufferBytes / (P.K * 4), 1, out);
   if (!buffer.defined() || buffer.numel() < rows * P.K)
     buffer = at::empty({rows * P.K}, xp.options());
+  const at::Tensor xl = bf16 ? xp.to(at::kBFloat16) : at::Tensor();
+  if (bf16 && (!low.defined() || low.numel() < rows * P.K))
+    low = at::empty({rows * P.K}, xp.options().dtype(at::kBFloat16));
   for (int64_t b0 = 0; b0 < out; b0 += rows) {
     const int64_t b1 = std::min(out, b0 + rows);
     float* W = buffer.data_ptr<float>();
@@ -173,7 +180,13 @@ void gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outli
     });
     at::Tensor w = buffer.narrow(0, 0, (b1 - b0) * P.K).view({b1 - b0, P.K});
     at::Tensor dst = y.narrow(1, b0, b1 - b0);
-    at::mm_out(dst, xp, w.t());
+    if (bf16) {
+      at::Tensor wl = low.narrow(0, 0, (b1 - b0) * P.K).view({b1 - b0, P.K});
+      wl.copy_(w);
+      dst.copy_(at::mm(xl, wl.t()));
+    } else {
+      at::mm_out(dst, xp, w.t());
+    }
   }
 }
 
@@ -373,7 +386,7 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   if (gemm) {
     const auto fopt = x2.options().dtype(at::kFloat);
     gemm_path(P, kern.dequant, L, o, at::from_blob(xp, {M, K}, fopt),
-              at::from_blob(y, {M, out}, fopt));
+              at::from_blob(y, {M, out}, fopt), x.scalar_type() == at::kBFloat16);
     if (bp != nullptr)
       at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m)
