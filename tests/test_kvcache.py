@@ -102,7 +102,9 @@ def test_qjl_makes_inner_products_unbiased() -> None:
 
 def test_bits_policies_and_spec_errors() -> None:
     assert resolve_bits(3.5) == (4.0, 3.0) and resolve_bits(2.5) == (3.0, 2.0)
-    assert resolve_bits(3.5, "outlier") == (3.5, 3.5) and resolve_bits(3) == (3.0, 3.0)
+    assert resolve_bits(4) == (5.0, 3.0) and resolve_bits(3) == (3.0, 3.0)
+    assert resolve_bits(2) == (2.0, 2.0) and resolve_bits(8) == (8.0, 8.0)  # the bounds
+    assert resolve_bits(3.5, "outlier") == (3.5, 3.5) and resolve_bits(3, "outlier") == (3, 3)
     with pytest.raises(UnsupportedError, match="key_bits must be between 1 and 8"):
         make_spec(None, key_bits=9)
     with pytest.raises(UnsupportedError, match="qjl needs key_bits >= 2"):
@@ -239,13 +241,16 @@ def test_full_precision_layers_beams_and_crop() -> None:
     assert cache.get_seq_length() == 30
     layer = cache.layers[1]
     assert isinstance(layer, TurboQuantLayer) and layer.streams is not None
-    assert layer.streams[0].store.length == 30 and layer.streams[0].recent.shape[-2] == 0
+    # The first token is a full-precision sink (default sinks=1).
+    assert layer.streams[0].store.length == 29 and layer.streams[0].recent.shape[-2] == 0
+    assert layer.streams[0].sinks.shape[-2] == 1
 
 
 @torch.no_grad()
 def test_memory_counts_codes_norms_window_and_material() -> None:
     model = tiny_llama_model(layers=1)
-    cache = kv_cache(model, bits=3, window=8)
+    cache = kv_cache(model, bits=3, window=8, split="outlier", sinks=0,
+                     center_keys=False)
     model(IDS, cache=cache, use_cache=True)
     mem = cache.memory(full_element_bytes=2)
     heads, coded = 2, 40 - 8
@@ -255,13 +260,19 @@ def test_memory_counts_codes_norms_window_and_material() -> None:
     assert mem["elements"] == 2 * heads * 40 * 32
     # Two shared 32x32 float32 rotations plus the two codebooks.
     assert mem["side_bytes"] == 2 * (32 * 32 * 4 + 8 * 4)
-    # Centering adds the values' fp16 mean per head (keys are never centered: post-RoPE).
-    cache = kv_cache(model, bits=3, window=8, center=True)
-    model(IDS, cache=cache, use_cache=True)
-    layer = cache.layers[0]
-    assert isinstance(layer, TurboQuantLayer) and layer.streams is not None
-    assert layer.streams[0].mean is None and layer.streams[1].mean is not None
-    assert cache.memory()["side_bytes"] == mem["side_bytes"] + heads * 32 * 2
+    # The defaults: a full-precision sink, and keys centered before RoPE (an fp16 mean per
+    # head; which residual each token took rides in its norm's sign, no bytes). Centering
+    # values adds their mean too.
+    for center, means in ((False, 1), (True, 2)):
+        cache = kv_cache(model, bits=3, window=8, split="outlier", center=center)
+        model(IDS, cache=cache, use_cache=True)
+        layer = cache.layers[0]
+        assert isinstance(layer, TurboQuantLayer) and layer.streams is not None
+        assert (layer.streams[1].mean is not None) == center
+        m = cache.memory(full_element_bytes=2)
+        assert m["code_bytes"] == 2 * heads * (coded - 1) * per_vector
+        assert m["full_bytes"] == 2 * heads * 9 * 32 * 2
+        assert m["side_bytes"] == mem["side_bytes"] + means * heads * 32 * 2
     assert mem["bits_per_element"] == pytest.approx(8 * mem["total_bytes"] / mem["elements"])
 
 
@@ -298,9 +309,9 @@ def test_eval_kv_cli(tiny_llama: Path) -> None:
     # 200 tokens: three windows of 64 (the last 8 tokens cannot fill a prefill).
     assert m["windows"] == 3 and m["prefill"] == 32 and m["scored_tokens"] == 3 * 31
     rows = {row["label"]: row for row in m["rows"]}
-    assert rows["4 (K4/V4)"]["kl_mean"] < rows["2.5 (K3/V2)"]["kl_mean"]
+    assert rows["4 (K5/V3)"]["kl_mean"] < rows["2.5 (K3/V2)"]["kl_mean"]
     assert rows["k3 (K3/Vfp)"]["value_rel_error"] is None
-    assert 0 < rows["4 (K4/V4)"]["key_rel_error"] < 0.02
+    assert 0 < rows["4 (K5/V3)"]["key_rel_error"] < 0.02
     assert all(2 < row["bits_per_element"] < 16 for row in m["rows"])
     res = runner.invoke(app, args)
     assert res.exit_code == 0 and "K/V err" in res.stdout
@@ -308,6 +319,16 @@ def test_eval_kv_cli(tiny_llama: Path) -> None:
     assert res.exit_code == 1 and "bits must be between 1 and 8" in res.output
     res = runner.invoke(app, ["eval", str(tiny_llama), "--kv-bits", "4", "--kv-split", "x"])
     assert res.exit_code == 2
+    res = runner.invoke(app, ["eval", str(tiny_llama), "--kv-bits", "4", "--kv-rescale", "x"])
+    assert res.exit_code == 2 and "--kv-rescale: 'x' is not none or norm or unbiased" in res.output
+    # The defaults (keys centered, one sink, norm scale) and turning them off.
+    spec = rows["4 (K5/V3)"]["spec"]
+    assert (spec["center_keys"], spec["sinks"], spec["rescale"]) == (True, 1, "norm")
+    res = runner.invoke(app, [*args[:3], "4", *args[4:], "--no-kv-center-keys", "--kv-sinks",
+                              "0", "--kv-rescale", "none", "--json"])
+    assert res.exit_code == 0, res.output
+    spec = json.loads(res.stdout)["metrics"]["rows"][0]["spec"]
+    assert (spec["center_keys"], spec["sinks"], spec["rescale"]) == (False, 0, "none")
 
 
 def test_needle_cli(tmp_path: Path) -> None:
@@ -370,7 +391,8 @@ def test_bench_kv_section() -> None:
 
 def test_errors_of_quantized_streams_are_reported() -> None:
     model = tiny_llama_model(layers=1)
-    cache = kv_cache(model, bits=4, window=4, measure_error=True, key_bits=None)
+    cache = kv_cache(model, bits=4, window=4, measure_error=True, key_bits=None,
+                     value_bits=4)
     with torch.no_grad():
         model(IDS, cache=cache, use_cache=True)
     err = cache.errors()

@@ -71,7 +71,14 @@ def main(
                                   "precision."),
     kv_split: str = typer.Option("kv", "--kv-split", help="Fractional bits: kv (keys get the "
                                  "extra bit) | outlier (a fixed channel set at one more bit)."),
-    kv_sinks: int = typer.Option(0, "--kv-sinks", help="First tokens kept in full precision."),
+    kv_sinks: int | None = typer.Option(None, "--kv-sinks", help="First tokens kept in full "
+                                        "precision (default: the cache's, 1)."),
+    kv_center_keys: bool | None = typer.Option(
+        None, "--kv-center-keys/--no-kv-center-keys", help="Keys: code each key minus a "
+        "per-head mean taken before RoPE (default: on)."),
+    kv_rescale: str | None = typer.Option(None, "--kv-rescale", help="The stored scale: none "
+                                          "(the norm) | norm (|x_hat| = |x|, default) | "
+                                          "unbiased."),
     kv_full_layers: str = typer.Option("", "--kv-full-layers", help="Layers kept in full "
                                        "precision, e.g. 0,-1."),
     kv_rotation: str = typer.Option("hadamard", "--kv-rotation", help="hadamard | orthogonal."),
@@ -100,9 +107,10 @@ def main(
                     max_tokens=max_tokens or None, device=device)
     body = run_library(lambda: read_text(text))
     if kv:
-        options = {"sinks": kv_sinks, "rotation": kv_rotation, "qjl": kv_qjl,
-                   "sliding": kv_sliding,
+        options = {"rotation": kv_rotation, "qjl": kv_qjl, "sliding": kv_sliding,
                    "full_precision_layers": _ints(kv_full_layers, "--kv-full-layers")}
+        given = {"sinks": kv_sinks, "center_keys": kv_center_keys, "rescale": kv_rescale}
+        options.update({k: v for k, v in given.items() if v is not None})
         _kv(candidate, body, spec, kv_bits or "", kv_window, kv_split, options, kv_chunk,
             kv_compare, needle, needle_lengths, needle_seeds, as_json)
         return
@@ -214,8 +222,9 @@ def _kv(candidate: str, body: Any, spec: Any, items: str, window: int, split: st
         stderr.print(f"[bold red]usage error:[/] --kv-split: '{split}' is not kv or outlier")
         raise typer.Exit(code=2)
     for flag, key, allowed in (("--kv-rotation", "rotation", ("hadamard", "orthogonal")),
-                               ("--kv-sliding", "sliding", ("full", "quantize"))):
-        if options[key] not in allowed:
+                               ("--kv-sliding", "sliding", ("full", "quantize")),
+                               ("--kv-rescale", "rescale", ("none", "norm", "unbiased"))):
+        if key in options and options[key] not in allowed:
             stderr.print(f"[bold red]usage error:[/] {flag}: '{options[key]}' is not "
                          f"{' or '.join(allowed)}")
             raise typer.Exit(code=2)

@@ -33,6 +33,7 @@ from transformers.cache_utils import (
 
 from tq_cli.errors import UnsupportedError
 from tq_cli.kvcache.layers import CodecBank, TurboQuantLayer, TurboQuantSlidingLayer
+from tq_cli.kvcache.rope import RotaryAngles, inv_freq_for
 from tq_cli.kvcache.spec import KVSpec, SplitPolicy, resolve_bits
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -52,15 +53,25 @@ class TurboQuantCache(Cache):
                                    f"the model has {n} layers (0..{n - 1}, or -1..-{n})")
         self.spec = spec
         self.bank = CodecBank(spec)
+        ropes: dict[str, RotaryAngles | None] = {}
+
+        def rope(kind: str) -> RotaryAngles | None:
+            if not spec.center_keys or spec.key_bits is None:
+                return None
+            if kind not in ropes:
+                inv = inv_freq_for(text, kind, _head_dim(text))
+                ropes[kind] = None if inv is None else RotaryAngles(inv)
+            return ropes[kind]
+
         layers: list[Any] = []
         for i, (kind, kw) in enumerate(zip(types_, kwargs, strict=True)):
             if i in full:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
             elif kind == "full_attention":
-                layers.append(TurboQuantLayer(spec, self.bank, measure_error))
+                layers.append(TurboQuantLayer(spec, self.bank, measure_error, rope(kind)))
             elif kind in SLIDING_TYPES and spec.sliding == "quantize":
                 layers.append(TurboQuantSlidingLayer(spec, self.bank, kw["sliding_window"],
-                                                     measure_error))
+                                                     measure_error, rope(kind)))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
@@ -113,6 +124,11 @@ class TurboQuantCache(Cache):
         return out
 
 
+def _head_dim(text: Any) -> int:
+    d = getattr(text, "head_dim", None)
+    return int(d) if d else int(text.hidden_size // text.num_attention_heads)
+
+
 def fill_from(cache: Cache, prefilled: Cache) -> Cache:
     """Put into `cache` what a prefill forward through it would have stored, from a
     full-precision cache that ran that prefill: a prefill reads its own tokens at full
@@ -154,7 +170,7 @@ def kv_cache(model: Any, bits: float | None = 3.5, window: int = 128, *,
     bits: average bits per cached element of the coded tokens (3.5: keys 4, values 3 with
     split="kv"); window: recent tokens kept in full precision; options: other KVSpec
     fields (key_bits, value_bits, sinks, full_precision_layers, sliding, rotation,
-    rescale, center, qjl, seed). A `spec` replaces all of these.
+    rescale, center, center_keys, qjl, seed). A `spec` replaces all of these.
     """
     config = getattr(model, "config", model)
     return TurboQuantCache(spec or make_spec(bits, window, split, **options), config,

@@ -23,8 +23,13 @@ import torch
 from transformers.cache_utils import BaseQuantizedLayer, DynamicSlidingWindowLayer
 
 from tq_cli.kvcache.quantizer import Encoded, StreamCodec
+from tq_cli.kvcache.rope import RotaryAngles
 from tq_cli.kvcache.spec import KVSpec
 from tq_cli.kvcache.store import TokenStore
+
+
+def _norm_name(enc: Encoded) -> str:
+    return "norm" if "norm" in enc else "norm_hi"
 
 
 class FullCodec:
@@ -73,8 +78,12 @@ class CodecBank:
 class _Stream:
     """One stream (keys or values) of one layer: sinks, codes, recent window."""
 
-    def __init__(self, codec: Codec, empty: torch.Tensor) -> None:
+    def __init__(self, codec: Codec, empty: torch.Tensor,
+                 rope: RotaryAngles | None = None) -> None:
         self.codec = codec
+        self.rope = rope  # keys: center before RoPE (`kvcache.rope`)
+        self.next_pos = 0  # position of the next token admitted
+        self.store_pos = 0  # position of the oldest coded token
         self.sinks = empty
         self.store = TokenStore()
         self.recent = empty
@@ -84,15 +93,33 @@ class _Stream:
         self.err = 0.0  # sum of squared reconstruction errors of encoded tokens
         self.energy = 0.0  # and of their squared norms
 
-    def decoded(self, enc: Encoded) -> torch.Tensor:
-        x = self.codec.decode(enc, self.order)
-        return x if self.mean is None else x + self.mean.float()
+    def _offset(self, start: int, n: int) -> torch.Tensor | None:
+        """What coded tokens at positions start..start+n were taken from: the mean, turned
+        to each position by RoPE for keys centered before it."""
+        if self.mean is None:
+            return None
+        if self.rope is None:
+            return self.mean.float()
+        return self.rope.offsets(self.mean, start, n)
+
+    def decoded(self, enc: Encoded, start: int) -> torch.Tensor:
+        if self.rope is None:
+            x = self.codec.decode(enc, self.order)
+            off = self._offset(start, x.shape[-2])
+            return x if off is None else x + off
+        # Keys centered before RoPE: the sign of the stored norm says whether the token was
+        # coded centered (+) or as it was (-), see _encode.
+        name = _norm_name(enc)
+        centered = ~torch.signbit(enc[name])
+        x = self.codec.decode({**enc, name: enc[name].abs()}, self.order)
+        off = self._offset(start, x.shape[-2])
+        return x if off is None else x.addcmul_(off, centered[..., None].to(off.dtype))
 
     def visible(self, new: torch.Tensor) -> torch.Tensor:
         """Every cached token in order (codes decoded), then the new ones."""
         parts = [self.sinks]
         if self.store.length:
-            parts.append(self.decoded(self.store.view()).to(new.dtype))
+            parts.append(self.decoded(self.store.view(), self.store_pos).to(new.dtype))
         return torch.cat([*parts, self.recent, new], dim=-2)
 
     def admit(self, new: torch.Tensor, sinks: int, window: int, center: bool,
@@ -100,39 +127,59 @@ class _Stream:
         """Append new tokens to the window; fill the sinks; encode what leaves the window
         (the paper's online setting, Section 4.3: each token is quantized once)."""
         x = torch.cat([self.recent, new], dim=-2)
+        pos = self.next_pos - self.recent.shape[-2]  # of x[0]
+        self.next_pos += new.shape[-2]
         free = sinks - self.sinks.shape[-2]
         if free > 0:
             self.sinks = torch.cat([self.sinks, x[..., :free, :]], dim=-2)
+            pos += min(free, x.shape[-2])
             x = x[..., free:, :]
         overflow = x.shape[-2] - window
         if overflow > 0:
-            self._encode(x[..., :overflow, :], x, center, measure)
+            self._encode(x[..., :overflow, :], x, pos, center, measure)
             x = x[..., overflow:, :]
         self.recent = x.contiguous()
 
-    def _encode(self, old: torch.Tensor, sample: torch.Tensor, center: bool,
+    def _encode(self, old: torch.Tensor, sample: torch.Tensor, pos: int, center: bool,
                 measure: bool) -> None:
+        """Code `old` (positions pos..), the front of `sample` (the tokens visible now)."""
         coded = not isinstance(self.codec, FullCodec)
         if not self.fitted and coded:
             self.fitted = True
             # The channel split and the mean are fixed on first use from every token
             # visible then (the window and the tokens leaving it) and kept, so codes stay
             # decodable as stored. Coding x - mean spends the bits on what differs between
-            # tokens; the mean is added back exactly.
-            if center:
-                self.mean = sample.float().mean(dim=(0, 2), keepdim=True).to(torch.float16)
-            self.order = self.codec.choose_channels(self._centered(sample))
-        enc = self.codec.encode(self._centered(old), self.order)
+            # tokens; the mean is added back exactly. Keys take it before RoPE.
+            if center or self.rope is not None:
+                pre = sample if self.rope is None else self.rope.unrotate(sample, pos)
+                self.mean = pre.float().mean(dim=(0, 2), keepdim=True).to(torch.float16)
+            self.order = self.codec.choose_channels(self._centered(sample, pos))
+        if not self.store.length:
+            self.store_pos = pos
+        if self.rope is not None and self.mean is not None:
+            # A key far from the mean (the first token's, an attention sink's) is coded as
+            # it is: each token takes the smaller of its two residuals, so centering never
+            # raises a token's error bound. The choice is the sign of its stored norm (the
+            # norm is never negative), so it costs no bytes.
+            res = self._centered(old, pos)
+            use = res.norm(dim=-1) < old.float().norm(dim=-1)
+            enc = self.codec.encode(torch.where(use[..., None], res, old.float()), self.order)
+            name = _norm_name(enc)
+            enc[name] = torch.where(use, enc[name], -enc[name])
+        else:
+            enc = self.codec.encode(self._centered(old, pos), self.order)
         self.store.append(enc)
         if measure and coded:
-            rec = self.decoded(enc)
+            rec = self.decoded(enc, pos)
             self.err += float((rec - old.float()).pow(2).sum())
             self.energy += float(old.float().pow(2).sum())
 
-    def _centered(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.mean is None else x.float() - self.mean.float()
+    def _centered(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        off = self._offset(pos, x.shape[-2])
+        return x if off is None else x.float() - off
 
     def drop_back(self, n: int) -> None:
+        self.next_pos -= n
         take = min(n, self.recent.shape[-2])
         self.recent = self.recent[..., :self.recent.shape[-2] - take, :]
         coded = min(n - take, self.store.length)
@@ -143,6 +190,7 @@ class _Stream:
         """Drop the n oldest tokens after the sinks (a sliding window moving on)."""
         coded = min(n, self.store.length)
         self.store.drop_front(coded)
+        self.store_pos += coded
         self.recent = self.recent[..., n - coded:, :]
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor],
@@ -172,9 +220,11 @@ class TurboQuantLayer(BaseQuantizedLayer):
 
     is_croppable = True
 
-    def __init__(self, spec: KVSpec, bank: CodecBank, measure_error: bool = False) -> None:
+    def __init__(self, spec: KVSpec, bank: CodecBank, measure_error: bool = False,
+                 rope: RotaryAngles | None = None) -> None:
         super().__init__()
         self.spec, self.bank, self.measure_error = spec, bank, measure_error
+        self.rope = rope  # the layer's RoPE angles, when keys are centered before RoPE
         self.n_sinks = spec.sinks
         self.streams: tuple[_Stream, _Stream] | None = None
 
@@ -188,7 +238,11 @@ class TurboQuantLayer(BaseQuantizedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         dev = key_states.device
-        k = _Stream(self.bank.get("key", key_states.shape[-1], dev), key_states[..., :0, :])
+        # Angles wider than the keys (a config tq misread) mean keys are coded uncentered.
+        rope = self.rope if self.rope is not None and \
+            2 * self.rope.inv_freq.numel() <= key_states.shape[-1] else None
+        k = _Stream(self.bank.get("key", key_states.shape[-1], dev), key_states[..., :0, :],
+                    rope)
         v = _Stream(self.bank.get("value", value_states.shape[-1], dev),
                     value_states[..., :0, :])
         self.streams = (k, v)
@@ -207,9 +261,8 @@ class TurboQuantLayer(BaseQuantizedLayer):
         k, v = self.streams
         self.cumulative_length += key_states.shape[-2]
         keys, values = k.visible(key_states), v.visible(value_states)
-        # Only values are centered: cached keys are post-RoPE, so a key offset turns with
-        # position and no fixed mean fits tokens far from those it was taken from
-        # (measured: centering keys halves their error and doubles the perplexity cost).
+        # Keys are centered before RoPE when the layer has its angles (`kvcache.rope`);
+        # values around a fixed mean only when asked (measured worse on SmolLM2).
         for s, new, center in ((k, key_states, False), (v, value_states, self.spec.center)):
             s.admit(new, self.n_sinks, self.spec.window, center, self.measure_error)
         self._after_admit()
@@ -283,8 +336,8 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
     is_croppable = False
 
     def __init__(self, spec: KVSpec, bank: CodecBank, sliding_window: int,
-                 measure_error: bool = False) -> None:
-        super().__init__(spec, bank, measure_error)
+                 measure_error: bool = False, rope: RotaryAngles | None = None) -> None:
+        super().__init__(spec, bank, measure_error, rope)
         self.n_sinks = 0
         self.sliding_window = sliding_window
         self._sliding_window_tensor = torch.tensor(sliding_window, dtype=torch.long)

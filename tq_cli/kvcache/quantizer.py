@@ -66,12 +66,16 @@ def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return unpack_codes(packed.reshape(-1, packed.shape[-1]), bits, n).reshape(*lead, n)
 
 
-def _three_bit_table(levels: torch.Tensor) -> torch.Tensor:
-    """[4096, 4]: the levels of the four 3-bit codes whose low bits are one byte b of the
-    2-bit plane and whose high bits are a nibble n of the 1-bit plane, at row b + 256 n."""
-    row = torch.arange(4096, device=levels.device)[:, None]
-    t = torch.arange(4, device=levels.device)[None, :]
-    codes = ((row % 256 >> (2 * t)) & 3) | (((row // 256 >> t) & 1) << 2)
+def _low_high_table(levels: torch.Tensor, width: int) -> torch.Tensor:
+    """For a layout of a `width`-bit plane and a 1-bit plane (3 bits: 2+1, 5 bits: 4+1):
+    [256 * 2^c, c] levels of the c = 8 // width codes whose low bits are one byte b of
+    the wide plane and whose high bits are the c bits h from the 1-bit plane, at row
+    b + 256 h."""
+    c = 8 // width
+    row = torch.arange(256 << c, device=levels.device)[:, None]
+    t = torch.arange(c, device=levels.device)[None, :]
+    low = (row % 256 >> (width * t)) & ((1 << width) - 1)
+    codes = low | (((row // 256 >> t) & 1) << width)
     return levels[codes]
 
 
@@ -110,7 +114,7 @@ class MSECodec:
         self.mids = (self.levels[1:] + self.levels[:-1]) / 2
         self.rot = rotation_matrix(kind, d, seed)
         self._tables: list[tuple[int, torch.Tensor]] | None = None
-        self._table3: torch.Tensor | None = None
+        self._table_lh: torch.Tensor | None = None
 
     @property
     def code_bytes(self) -> int:
@@ -119,7 +123,7 @@ class MSECodec:
     def to(self, device: torch.device) -> MSECodec:
         self.levels, self.mids, self.rot = (t.to(device) for t in (self.levels, self.mids,
                                                                      self.rot))
-        self._tables = self._table3 = None
+        self._tables = self._table_lh = None
         return self
 
     def material_bytes(self) -> int:
@@ -142,15 +146,19 @@ class MSECodec:
     def decode(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return (self._levels_of(packed) @ self.rot.T) * scale.float()[..., None]
 
-    def _levels_3bit(self, packed: torch.Tensor) -> torch.Tensor:
-        """3 bits (planes of 2 and 1 bits): each byte of the 2-bit plane and the matching
-        nibble of the 1-bit plane index one table row of four levels."""
-        if self._table3 is None:
-            self._table3 = _three_bit_table(self.levels)
+    def _levels_low_high(self, packed: torch.Tensor, width: int) -> torch.Tensor:
+        """3 and 5 bits (a `width`-bit plane, then a 1-bit plane): each byte of the wide
+        plane and the matching c = 8 // width bits of the 1-bit plane index one table row
+        of c levels, one gather for every code."""
+        if self._table_lh is None:
+            self._table_lh = _low_high_table(self.levels, width)
+        c = 8 // width
         n = padded_length(self.d)
-        low, high = packed[..., :n // 4].int(), packed[..., n // 4:].int()
-        nibble = torch.stack((high & 15, high >> 4), dim=-1).flatten(-2)
-        out = F.embedding(low + 256 * nibble, self._table3).flatten(-2)
+        low = packed[..., :n * width // 8].int()
+        high = packed[..., n * width // 8:].int()
+        bits = torch.stack([(high >> (c * t)) & ((1 << c) - 1) for t in range(8 // c)],
+                           dim=-1).flatten(-2)
+        out = F.embedding(low + 256 * bits, self._table_lh).flatten(-2)
         return out[..., :self.d] if n != self.d else out
 
     def _levels_of(self, packed: torch.Tensor) -> torch.Tensor:
@@ -160,8 +168,8 @@ class MSECodec:
         lead = packed.shape[:-1]
         if self._tables is None:
             self._tables = _byte_tables(self.bits, self.levels)
-        if self.bits == 3:
-            return self._levels_3bit(packed)
+        if self.bits in (3, 5):
+            return self._levels_low_high(packed, PLANES[self.bits][0])
         parts, start = [], 0
         for width, table in self._tables:
             nbytes = padded_length(self.d) * width // 8
