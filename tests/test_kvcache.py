@@ -104,6 +104,10 @@ def test_bits_policies_and_spec_errors() -> None:
     assert resolve_bits(3.5) == (4.0, 3.0) and resolve_bits(2.5) == (3.0, 2.0)
     assert resolve_bits(4) == (5.0, 3.0) and resolve_bits(3) == (3.0, 3.0)
     assert resolve_bits(2) == (2.0, 2.0) and resolve_bits(8) == (8.0, 8.0)  # the bounds
+    assert resolve_bits(3.25) == (3.5, 3.0) and resolve_bits(1.25) == (1.5, 1.0)
+    values = [resolve_bits(b / 8)[1] for b in range(8, 65)]
+    assert values == sorted(values)  # values never lose bits as the budget grows
+    assert all(resolve_bits(b / 8)[0] <= 8 for b in range(8, 65))
     assert resolve_bits(3.5, "outlier") == (3.5, 3.5) and resolve_bits(3, "outlier") == (3, 3)
     with pytest.raises(UnsupportedError, match="key_bits must be between 1 and 8"):
         make_spec(None, key_bits=9)

@@ -113,7 +113,9 @@ class _Stream:
         centered = ~torch.signbit(enc[name])
         x = self.codec.decode({**enc, name: enc[name].abs()}, self.order)
         off = self._offset(start, x.shape[-2])
-        return x if off is None else x.addcmul_(off, centered[..., None].to(off.dtype))
+        # where, not a multiply by the flag: an inf or NaN offset must not reach tokens
+        # coded as they are.
+        return x if off is None else torch.where(centered[..., None], x + off, x)
 
     def visible(self, new: torch.Tensor) -> torch.Tensor:
         """Every cached token in order (codes decoded), then the new ones."""

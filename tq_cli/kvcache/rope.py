@@ -14,6 +14,10 @@ makes the centering less effective, never the keys wrong.
 `RotaryAngles` holds inv_freq from the model config, computed the way transformers' own
 rotary embeddings compute it (default RoPE, or `ROPE_INIT_FUNCTIONS` for scaled types);
 attention scaling factors are left out: they scale the mean and its rotated copy alike.
+Where these angles are not the model's, the centering is only weaker: RoPE types whose
+frequencies change during a forward ("dynamic", "longrope" past their original length),
+configs that keep `rope_scaling` apart from `rope_parameters` (transformers 4.x), and
+layouts that rotate other channels than the first r (DeepSeek's MLA puts them last).
 """
 
 from __future__ import annotations

@@ -82,9 +82,12 @@ class KVSpec(BaseModel):
 def resolve_bits(bits: float, split: SplitPolicy = "kv") -> tuple[float, float]:
     """(key_bits, value_bits) averaging `bits` under a split policy.
 
-    "kv" gives keys the next integer above floor(bits) and values the rest as long as
-    values keep 3 bits (4 -> K5/V3, 3.5 -> K4/V3); below that keys get ceil(bits)
-    (3 -> K3/V3, 2.5 -> K3/V2, 2 -> K2/V2). "outlier" gives both streams `bits`.
+    "kv": from 4 bits on keys get one bit more than `bits` (at most 8) and values the rest
+    (4 -> K5/V3, 4.5 -> K5.5/V3.5, 7.5 -> K8/V7, 8 -> K8/V8); below 4 values get
+    floor(bits), at most 3, and keys the rest (3.5 -> K4/V3, 3 -> K3/V3,
+    3.25 -> K3.5/V3, 2.5 -> K3/V2, 2 -> K2/V2, 1.5 -> K2/V1). Values never lose bits as
+    `bits` grows; keys do once, at 3 (2.75 -> K3.5/V2, 3 -> K3/V3). "outlier" gives both
+    streams `bits`.
     """
     if not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"bits must be between 1 and 8, got {bits}")
@@ -92,10 +95,11 @@ def resolve_bits(bits: float, split: SplitPolicy = "kv") -> tuple[float, float]:
         raise ValueError(f"split must be 'kv' or 'outlier', got {split!r}")
     if split == "outlier":
         return bits, bits
-    key = min(MAX_BITS, float(math.floor(bits) + 1))
-    if 2 * bits - key < MIN_VALUE_BITS:
-        key = float(math.ceil(bits))
-    return key, 2 * bits - key
+    if bits >= MIN_VALUE_BITS + 1:
+        key = min(MAX_BITS, bits + 1)
+        return key, 2 * bits - key
+    value = float(min(math.floor(bits), MIN_VALUE_BITS))
+    return 2 * bits - value, value
 
 
 def split_channels(bits: float, d: int) -> tuple[int, int]:

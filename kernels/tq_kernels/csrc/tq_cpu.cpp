@@ -15,6 +15,7 @@
 // Compiled once per torch version and source by tq_kernels/cpu_build.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
@@ -47,6 +48,24 @@ int best_isa() {
     return kAvx2;
 #endif
   return kScalar;
+}
+
+// A bf16 GEMM that beats the fp32 one needs AVX512-BF16 or AMX; elsewhere torch's bf16
+// GEMM widens its operands itself and bf16 inputs keep the fp32 path.
+bool has_bf16_gemm() {
+  static const bool yes = [] {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__) && \
+    __GNUC__ >= 12
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
+#elif (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && __GNUC__ >= 10
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_supports("avx512bf16"));
+#else
+    return false;
+#endif
+  }();
+  return yes;
 }
 
 using RowsFn = void (*)(const Problem&, int64_t, int64_t);
@@ -153,11 +172,12 @@ int64_t row_grain(int64_t n, int64_t M) {
 constexpr int64_t kBufferBytes = int64_t{8} << 20;  // per GEMM block: stays in L3
 
 // bf16: for bfloat16 activations the dequantized block and the rotated activations are
-// rounded to bfloat16 and multiplied by torch's bf16 GEMM (oneDNN; AVX512-BF16 or AMX
-// where the CPU has them), as F.linear does for a bf16 model; float32 accumulation, a
-// float32 result.
-void gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outliers& o,
-               const at::Tensor& xp, const at::Tensor& y, bool bf16) {
+// rounded to bfloat16 and multiplied by torch's bf16 GEMM (oneDNN on AVX512-BF16 or
+// AMX), the bias added inside it, as F.linear does for a bf16 model: float32
+// accumulation, one rounding of product plus bias to bf16 (exact in the float32 y).
+// Returns whether it added the bias.
+bool gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outliers& o,
+               const at::Tensor& xp, const at::Tensor& y, bool bf16, const at::Tensor& bias) {
   static thread_local at::Tensor buffer, low;  // reused across layers and calls
   const int64_t out = y.size(1);
   const int64_t rows = std::clamp<int64_t>(kBufferBytes / (P.K * 4), 1, out);
@@ -183,11 +203,13 @@ void gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outli
     if (bf16) {
       at::Tensor wl = low.narrow(0, 0, (b1 - b0) * P.K).view({b1 - b0, P.K});
       wl.copy_(w);
-      dst.copy_(at::mm(xl, wl.t()));
+      dst.copy_(bias.defined() ? at::addmm(bias.narrow(0, b0, b1 - b0), xl, wl.t())
+                               : at::mm(xl, wl.t()));
     } else {
       at::mm_out(dst, xp, w.t());
     }
   }
+  return bf16 && bias.defined();
 }
 
 // Operands in the dtype and layout the kernels read. For a loaded checkpoint, whose
@@ -385,9 +407,11 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (gemm) {
     const auto fopt = x2.options().dtype(at::kFloat);
-    gemm_path(P, kern.dequant, L, o, at::from_blob(xp, {M, K}, fopt),
-              at::from_blob(y, {M, out}, fopt), x.scalar_type() == at::kBFloat16);
-    if (bp != nullptr)
+    const bool bf16 = x.scalar_type() == at::kBFloat16 && has_bf16_gemm();
+    const at::Tensor bias_l = bf16 && bias_f.defined() ? bias_f.to(at::kBFloat16) : at::Tensor();
+    const bool biased = gemm_path(P, kern.dequant, L, o, at::from_blob(xp, {M, K}, fopt),
+                                  at::from_blob(y, {M, out}, fopt), bf16, bias_l);
+    if (bp != nullptr && !biased)
       at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m)
           for (int64_t r = 0; r < out; ++r) y[m * out + r] += bp[r];
