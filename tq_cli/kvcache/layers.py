@@ -113,9 +113,9 @@ class _Stream:
         centered = ~torch.signbit(enc[name])
         x = self.codec.decode({**enc, name: enc[name].abs()}, self.order)
         off = self._offset(start, x.shape[-2])
-        # where, not a multiply by the flag: an inf or NaN offset must not reach tokens
-        # coded as they are.
-        return x if off is None else torch.where(centered[..., None], x + off, x)
+        # The offset is finite for any keys the codec stores: each mean entry is at most a
+        # key's norm, and norms are stored in fp16 too.
+        return x if off is None else x.addcmul_(off, centered[..., None].to(off.dtype))
 
     def visible(self, new: torch.Tensor) -> torch.Tensor:
         """Every cached token in order (codes decoded), then the new ones."""

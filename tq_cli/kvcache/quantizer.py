@@ -165,11 +165,11 @@ class MSECodec:
         """Codebook values of packed codes through byte lookup tables: one gather per bit
         plane of the format (tq_kernels.packing), none of the shifts and masks of a
         general unpack. This runs for every cached token at every decode step."""
+        if self.bits in (3, 5):
+            return self._levels_low_high(packed, PLANES[self.bits][0])
         lead = packed.shape[:-1]
         if self._tables is None:
             self._tables = _byte_tables(self.bits, self.levels)
-        if self.bits in (3, 5):
-            return self._levels_low_high(packed, PLANES[self.bits][0])
         parts, start = [], 0
         for width, table in self._tables:
             nbytes = padded_length(self.d) * width // 8

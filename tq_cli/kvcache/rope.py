@@ -94,16 +94,21 @@ class RotaryAngles:
         self._memo[key] = out
         return out
 
-    def _turn(self, x: torch.Tensor, start: int, sign: float) -> torch.Tensor:
-        """R(p) x (sign 1) or R(p)^-1 x (sign -1) for x [..., n, d] at positions start.."""
-        n = x.shape[-2]
+    def _turn(self, x: torch.Tensor, start: int, sign: float,
+              n: int | None = None) -> torch.Tensor:
+        """R(p) x (sign 1) or R(p)^-1 x (sign -1) at positions start..start+n, for x
+        [..., n, d], or [..., 1, d] broadcast over the n positions (a mean is turned
+        once per call, not copied per token first)."""
+        n = x.shape[-2] if n is None else n
         cos, sin = self.cos_sin(start, n, x.device)
         r = cos.shape[-1]
         x = x.float()
         rot, rest = x[..., :r], x[..., r:]
         half = torch.cat((-rot[..., r // 2:], rot[..., :r // 2]), dim=-1)
-        out = rot * cos + sign * half * sin
-        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+        out = torch.addcmul(rot * cos, half, sin, value=sign)
+        if rest.shape[-1] == 0:
+            return out
+        return torch.cat((out, rest.expand(*out.shape[:-1], rest.shape[-1])), dim=-1)
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """R(p) x for x [..., n, d] at positions start..start+n (float32)."""
@@ -114,15 +119,5 @@ class RotaryAngles:
         return self._turn(x, start, -1.0)
 
     def offsets(self, mean: torch.Tensor, start: int, n: int) -> torch.Tensor:
-        """R(p) mean for positions start..start+n: [..., n, d] from mean [..., 1, d]
-        (broadcast against the angles, so the mean is turned once per call, not copied
-        per token first)."""
-        cos, sin = self.cos_sin(start, n, mean.device)
-        r = cos.shape[-1]
-        m = mean.float()
-        rot = m[..., :r]
-        half = torch.cat((-rot[..., r // 2:], rot[..., :r // 2]), dim=-1)
-        out = torch.addcmul(rot * cos, half, sin)
-        if r == m.shape[-1]:
-            return out
-        return torch.cat((out, m[..., r:].expand(*out.shape[:-1], m.shape[-1] - r)), dim=-1)
+        """R(p) mean for positions start..start+n: [..., n, d] from mean [..., 1, d]."""
+        return self._turn(mean, start, 1.0, n)
