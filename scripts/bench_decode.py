@@ -1,13 +1,16 @@
 """CPU decode and prefill speed, and resident memory, of a converted SmolLM2 against fp32.
 
 Usage: python scripts/bench_decode.py [TQ_FOLDER] [--tokens 64] [--prefill 512]
-                                      [--threads 1,2] [--rounds 3] [--json FILE]
+                                      [--threads 1,2] [--rounds 3] [--gemm bf16,fp32]
+                                      [--json FILE]
 
 Without TQ_FOLDER it converts SmolLM2-135M at 4 bits into a temporary folder first.
 Both models are loaded side by side and timed in alternation, for each thread count:
 greedy decode of --tokens new tokens from the same prompt (tokens/s), and one forward
 over --prefill tokens of the evaluation text (tokens/s); the best of --rounds each, so a
-burst of load from elsewhere does not decide the ratio. The converted layers' resident
+burst of load from elsewhere does not decide the ratio. The converted model's prefill is
+timed once per CPU GEMM product precision in --gemm (`tq_kernels.cpu.set_gemm_precision`;
+the first is the default "tq_prefill"), all in the same rounds. The converted layers' resident
 bytes are compared with the fp16 size of the same layers.
 """
 
@@ -28,6 +31,7 @@ from tq_cli.converter import ConvertSpec, convert
 from tq_cli.demo_model import smollm2_folder
 from tq_cli.spec import QuantSpec
 from tq_cli.text import evaluation_text
+from tq_kernels import cpu
 
 
 def decode(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> tuple[float, torch.Tensor]:
@@ -45,28 +49,43 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor) -> float:
 
 
 def measure(models: dict[str, torch.nn.Module], prompt: torch.Tensor, long: torch.Tensor,
-            tokens: int, rounds: int) -> dict[str, Any]:
-    """Best-of-rounds decode and prefill tokens/s per model, alternating the models."""
-    best: dict[str, dict[str, float]] = {k: {"decode": 0.0, "prefill": 0.0} for k in models}
+            tokens: int, rounds: int, gemms: list[str]) -> dict[str, Any]:
+    """Best-of-rounds decode and prefill tokens/s per model, alternating the models; the
+    converted model's prefill once per GEMM product precision."""
+    best: dict[str, float] = {}
     outs: dict[str, torch.Tensor] = {}
+
+    def keep(key: str, value: float) -> None:
+        best[key] = max(best.get(key, 0.0), value)
+
     for m in models.values():  # warm-up: first-call allocations, the kernel build
         decode(m, prompt, 2)
         prefill(m, long[:, :32])
     for _ in range(rounds):
         for name, m in models.items():
             tps, outs[name] = decode(m, prompt, tokens)
-            best[name]["decode"] = max(best[name]["decode"], tps)
-            best[name]["prefill"] = max(best[name]["prefill"], prefill(m, long))
+            keep(f"{name}.decode", tps)
+            if name != "tq":
+                keep(f"{name}.prefill", prefill(m, long))
+                continue
+            for gemm in gemms:
+                cpu.set_gemm_precision(gemm)
+                keep(f"tq.prefill.{gemm}", prefill(m, long))
+            cpu.set_gemm_precision(None)
     n = prompt.shape[1]
-    return {
-        "fp32_decode_tokens_per_s": round(best["fp32"]["decode"], 2),
-        "tq_decode_tokens_per_s": round(best["tq"]["decode"], 2),
-        "decode_ratio_tq_over_fp32": round(best["tq"]["decode"] / best["fp32"]["decode"], 3),
-        "fp32_prefill_tokens_per_s": round(best["fp32"]["prefill"], 1),
-        "tq_prefill_tokens_per_s": round(best["tq"]["prefill"], 1),
-        "prefill_ratio_tq_over_fp32": round(best["tq"]["prefill"] / best["fp32"]["prefill"], 3),
-        "same_greedy_tokens": int((outs["tq"][0, n:] == outs["fp32"][0, n:]).sum()),
+    row: dict[str, Any] = {
+        "fp32_decode_tokens_per_s": round(best["fp32.decode"], 2),
+        "tq_decode_tokens_per_s": round(best["tq.decode"], 2),
+        "decode_ratio_tq_over_fp32": round(best["tq.decode"] / best["fp32.decode"], 3),
+        "fp32_prefill_tokens_per_s": round(best["fp32.prefill"], 1),
     }
+    for i, gemm in enumerate(gemms):
+        tag = "" if i == 0 else f"_{gemm}_products"
+        row[f"tq{tag}_prefill_tokens_per_s"] = round(best[f"tq.prefill.{gemm}"], 1)
+        row[f"prefill{tag}_ratio_tq_over_fp32"] = round(
+            best[f"tq.prefill.{gemm}"] / best["fp32.prefill"], 3)
+    row["same_greedy_tokens"] = int((outs["tq"][0, n:] == outs["fp32"][0, n:]).sum())
+    return row
 
 
 def main() -> int:
@@ -78,6 +97,10 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gemm", default="bf16,fp32",
+                    help="CPU GEMM product precisions to time the prefill with, the first "
+                         "reported as tq_prefill (bf16 falls back to fp32 on CPUs without "
+                         "bf16 dot products)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     src = smollm2_folder()
@@ -92,17 +115,19 @@ def main() -> int:
         models = {"fp32": AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(),
                   "tq": tq_cli.load(folder, device="cpu")}
         rep = models["tq"].tq_report
+        gemms = [g.strip() for g in args.gemm.split(",") if g.strip()]
         runs = []
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
             runs.append({"threads": threads, **measure(models, prompt, long, args.tokens,
-                                                       args.rounds)})
+                                                       args.rounds, gemms)})
         _, out = decode(models["tq"], prompt, args.tokens)
     n = prompt.shape[1]
     row = {
         "model": "SmolLM2-135M-Instruct", "tq_folder": str(folder), "new_tokens": args.tokens,
         "prefill_tokens": long.shape[1], "cpu_count": os.cpu_count(), "runs": runs,
         "converted_layers": rep["layers"], "backends": dict(rep["backends"]),
+        "cpu_gemm_default": rep["cpu_gemm"],
         "tq_bytes": rep["tq_bytes"], "packed_bytes": rep["packed_bytes"],
         "rotation_bytes": rep["rotation_bytes"], "fp16_bytes_same_layers": rep["fp16_bytes"],
         "memory_ratio_tq_over_fp16": round(rep["tq_bytes"] / rep["fp16_bytes"], 4),

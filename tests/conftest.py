@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 # Triton reads TRITON_INTERPRET when it is first imported, and transformers may import
@@ -18,6 +19,18 @@ import torch
 from tinymodels import build_tiny_bert, build_tiny_llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(params=["fp32", "bf16"])
+def cpu_gemm(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The CPU kernel's prefill GEMM products (`set_gemm_precision`) for one test: float32
+    ones match a dequantized model to float32 rounding, bf16 ones (the default where the
+    CPU has bf16 dot products) to bf16's."""
+    from tq_kernels import cpu
+
+    cpu.set_gemm_precision(request.param)
+    yield request.param
+    cpu.set_gemm_precision(None)
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,13 @@
 
 Each SIMD variant is forced with `isa=` (the C++ side never runs one the CPU lacks, so a
 variant above this CPU's is skipped, not silently replaced). Both regimes are covered:
-the lookup-table GEMV (gemm_min_batch=0) and dequantize-then-GEMM (gemm_min_batch=1).
+the lookup-table GEMV (gemm_min_batch=0) and dequantize-then-GEMM (gemm_min_batch=1),
+the latter with float32 products and with bf16 products (the default on CPUs with native
+bf16 dot products; elsewhere "bf16" runs the float32 GEMM, which the same bound admits).
 The comparison is with the reference in float32 on the same input values, so the
 tolerance for bf16/fp16 activations is one rounding of the output, not the reference's
-own intermediate roundings; bf16 activations in the GEMM regime go through torch's bf16
-GEMM as a bf16 F.linear does, so there each product may also carry the rounding of its
-two operands to bf16 (2 * 2^-9 relative).
+own intermediate roundings; bf16 products may also carry the rounding of both operands
+and of the product to bf16 (3 x 2^-9 relative of |x_rot| @ |W|^T, bounded by 2^-7).
 """
 
 from __future__ import annotations
@@ -62,13 +63,13 @@ def _want(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | None, block
     return y + bias.float() if bias is not None else y
 
 
-def _operand_rounding(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | None,
-                      block: int) -> torch.Tensor:
-    """|x_rot| @ |W|^T times 2^-8: the most that rounding both GEMM operands to bf16 moves
-    each output."""
+def _bf16_rounding(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | None,
+                   block: int) -> torch.Tensor:
+    """|x_rot| @ |W|^T times 2^-7: the most that rounding both GEMM operands and the
+    product to bf16 moves each output (3 x 2^-9 and the second-order terms)."""
     xf = x.float()
     xr = reference.rotate(xf, signs, block) if signs is not None else xf
-    return 2.0**-8 * (xr.abs() @ dequantize_rotated(q).abs().T)
+    return 2.0**-7 * (xr.abs() @ dequantize_rotated(q).abs().T)
 
 
 def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
@@ -85,9 +86,9 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
 @pytest.mark.parametrize(("n", "group"), [(576, 64), (200, 64)])  # 200: a partial last group
 @pytest.mark.parametrize("batch", [1, 3, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("gemm", [False, True], ids=["gemv", "gemm"])
+@pytest.mark.parametrize("gemm", [None, "fp32", "bf16"], ids=["gemv", "gemm32", "gemm16"])
 def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch: int,
-                                  dtype: torch.dtype, gemm: bool) -> None:
+                                  dtype: torch.dtype, gemm: str | None) -> None:
     _runs(isa)
     q = _quantized(bits, n, group)
     g = torch.Generator().manual_seed(batch + n)
@@ -96,11 +97,54 @@ def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch
     signs = _signs(n, 64)
     got = cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
                      q.outlier_val, bias, bits=bits, group_size=group, out_features=OUT,
-                     isa=isa, gemm_min_batch=1 if gemm else 0)
-    bf16_gemm = gemm and dtype == torch.bfloat16
-    # The bf16 GEMM adds the bias inside it, in bf16 as a bf16 F.linear does.
-    _check(got, _want(x, q, signs, 64, bias), dtype,
-           _operand_rounding(x, q, signs, 64) + 2.0**-8 * bias.abs() if bf16_gemm else 0.0)
+                     isa=isa, gemm_min_batch=0 if gemm is None else 1, gemm=gemm)
+    slack: torch.Tensor | float = 0.0
+    if gemm == "bf16":
+        slack = _bf16_rounding(x, q, signs, 64)
+        if dtype == torch.bfloat16:  # the bias goes inside the GEMM, as in bf16 F.linear
+            slack = slack + 2.0**-8 * bias.abs()
+    _check(got, _want(x, q, signs, 64, bias), dtype, slack)
+
+
+def test_bf16_products_are_the_default_where_native() -> None:
+    """The prefill GEMM multiplies in bf16 where the CPU has bf16 dot products (and then
+    differs from float32 products), and TQ_CPU_GEMM=fp32 turns that off."""
+    q = _quantized(4, 576, 64)
+    x = torch.randn(32, 576, generator=torch.Generator().manual_seed(1))
+    signs = _signs(576, 64)
+
+    def run(gemm: str | None) -> torch.Tensor:
+        return cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
+                          q.outlier_val, None, bits=4, group_size=64, out_features=OUT,
+                          gemm=gemm)
+
+    native = bool(torch.ops.tq_cpu.bf16_gemm())
+    assert cpu.gemm_precision() == ("bf16" if native else "fp32")
+    assert torch.equal(run(None), run(cpu.gemm_precision()))
+    assert torch.equal(run("bf16"), run("fp32")) is not native
+    with pytest.raises(ValueError, match="gemm must be one of fp32, bf16, got 'fp16'"):
+        run("fp16")
+
+
+def test_gemm_precision_follows_environment_and_setter(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    native = "bf16" if torch.ops.tq_cpu.bf16_gemm() else "fp32"
+    try:
+        monkeypatch.setenv("TQ_CPU_GEMM", "fp32")
+        cpu.set_gemm_precision(None)  # rereads the environment
+        assert cpu.gemm_precision() == "fp32"
+        cpu.set_gemm_precision("bf16")  # the setter wins over the environment
+        assert cpu.gemm_precision() == native
+        monkeypatch.setenv("TQ_CPU_GEMM", "int4")
+        cpu.set_gemm_precision(None)
+        with pytest.warns(RuntimeWarning, match="TQ_CPU_GEMM='int4' is not one of fp32, "
+                                                "bf16; using bf16"):
+            assert cpu.gemm_precision() == native
+        with pytest.raises(ValueError, match="precision must be one of fp32, bf16, got 'fp8'"):
+            cpu.set_gemm_precision("fp8")
+    finally:
+        monkeypatch.undo()
+        cpu.set_gemm_precision(None)
 
 
 @pytest.mark.parametrize("isa", cpu.ISAS)
@@ -114,7 +158,7 @@ def test_odd_groups_and_widths(isa: str, bits: int, n: int, group: int, gemm: bo
     x = torch.randn(5, n, generator=torch.Generator().manual_seed(n))
     got = cpu.linear(x, None, 0, q.codes, q.scales, q.codebook, q.outlier_idx, q.outlier_val,
                      None, bits=bits, group_size=group, out_features=OUT, isa=isa,
-                     gemm_min_batch=1 if gemm else 0)
+                     gemm_min_batch=1 if gemm else 0, gemm="fp32")
     _check(got, _want(x, q, None, 0, None), torch.float32)
 
 
@@ -135,7 +179,8 @@ def test_shared_input_is_rotated_once_and_never_stale(isa: str, gemm: bool, mode
         def run(q: QuantizedTensor, signs: torch.Tensor, block: int) -> None:
             got = cpu.linear(x, signs, block, q.codes, q.scales, q.codebook, q.outlier_idx,
                              q.outlier_val, None, bits=q.spec.bits, group_size=64,
-                             out_features=OUT, isa=isa, gemm_min_batch=1 if gemm else 0)
+                             out_features=OUT, isa=isa, gemm_min_batch=1 if gemm else 0,
+                             gemm="fp32")
             _check(got, _want(x, q, signs, block, None), torch.float32)
 
         run(q4, s64, 64)
@@ -168,7 +213,8 @@ def test_large_inputs_are_not_kept() -> None:
 
     def run() -> torch.Tensor:
         return cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
-                          q.outlier_val, None, bits=4, group_size=64, out_features=OUT)
+                          q.outlier_val, None, bits=4, group_size=64, out_features=OUT,
+                          gemm="fp32")
 
     want = _want(x, q, signs, 64, None)
     _check(run(), want, torch.float32)
@@ -208,12 +254,13 @@ def test_outliers_are_added_exactly() -> None:
     x = torch.arange(2 * n, dtype=torch.float32).reshape(2, n)
     bias = torch.tensor([1.0, 2.0, 3.0])
     for isa in cpu.ISAS[: cpu.ISAS.index(cpu.cpu_isa()) + 1]:
-        for gmb in (0, 1):
+        for gmb, gemm in ((0, None), (1, "fp32"), (1, "bf16")):  # all exact in bf16 too
             y = cpu.linear(x, None, 0, codes, scales, torch.zeros(16), idx, val, bias, bits=4,
-                           group_size=24, out_features=out, isa=isa, gemm_min_batch=gmb)
+                           group_size=24, out_features=out, isa=isa, gemm_min_batch=gmb,
+                           gemm=gemm)
             want = torch.tensor([[0.5 * 0 - 2 * 23 + 1, 4.0 * 5 + 2, 0.25 * 23 + 3],
                                  [0.5 * 24 - 2 * 47 + 1, 4.0 * 29 + 2, 0.25 * 47 + 3]])
-            assert torch.equal(y, want), (isa, gmb, y)
+            assert torch.equal(y, want), (isa, gmb, gemm, y)
 
 
 def test_unsorted_outliers_are_refused() -> None:

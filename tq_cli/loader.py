@@ -24,6 +24,7 @@ from tq_cli.errors import CorruptFileError, SourceError, TqError
 from tq_cli.io.checkpoint import check_checkpoint
 from tq_cli.io.source import resolve_source
 from tq_cli.tq_linear import TQLinear
+from tq_kernels import cpu as cpu_kernel
 
 log = logging.getLogger("tq")
 
@@ -96,8 +97,8 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
         from tq_cli.kvcache.cache import use_kv_cache
 
         use_kv_cache(model, kv_spec)
-    log.info("tq: %d TQLinear layers, backends %s", len(layers),
-             dict(model.tq_report["backends"]))
+    log.info("tq: %d TQLinear layers, backends %s, CPU prefill GEMM %s", len(layers),
+             dict(model.tq_report["backends"]), model.tq_report["cpu_gemm"] or "-")
     return model
 
 
@@ -110,7 +111,11 @@ def report(model: nn.Module) -> dict:
            if isinstance(holder, nn.Module) else 0)
     fp16 = sum(2 * m.out_features * (m.in_features + (1 if m.bias is not None else 0))
                for m in layers)
-    return {"layers": len(layers), "backends": Counter(m.backend for m in layers),
+    backends = Counter(m.backend for m in layers)
+    on_cpu = any(b.startswith("cpu-") for b in backends)
+    return {"layers": len(layers), "backends": backends,
+            # the product precision of the CPU kernel's prefill GEMM (None: no CPU layers)
+            "cpu_gemm": cpu_kernel.gemm_precision() if on_cpu else None,
             "packed_bytes": packed, "rotation_bytes": rot, "tq_bytes": packed + rot,
             "fp16_bytes": fp16}
 

@@ -5,6 +5,14 @@ matmul, the sparse outliers and the bias (see csrc/tq_cpu.cpp). The library is b
 first use (`cpu_build`); if that fails, `available()` is False, one warning says why, and
 `tq_kernels.dispatch` runs the torch reference instead.
 
+The prefill path's GEMM (from GEMM_MIN_BATCH rows) multiplies in bfloat16 with float32
+accumulation on CPUs with native bf16 dot products (AVX512-BF16 or AMX), whatever the
+activations' dtype: 2.1x the fp32 GEMM's rate, and the rounding is small next to the
+4-bit weight's own error (docs/decisions.md). `TQ_CPU_GEMM=fp32` keeps float32 products
+for a process, `set_gemm_precision()` switches from Python, `gemm_precision()` says which
+one runs. Decode-sized batches always take
+the float32 lookup-table GEMV.
+
 Variants are named by instruction set: "avx512", "avx2", "scalar". The best one the CPU
 supports is used; `TQ_CPU_ISA=avx2` (or `scalar`) caps it for a process, and tests pass
 `isa=` to run each variant on the same machine. A layer whose group size does not hold
@@ -28,6 +36,7 @@ ISAS = ("scalar", "avx2", "avx512")
 # with scripts/bench_cpu_threshold.py on SmolLM2 and Llama-3-8B shapes (2-core AVX-512
 # EPYC): the crossover is at 8-24 rows, depending on width and bits.
 GEMM_MIN_BATCH = 16
+GEMM_PRECISIONS = ("fp32", "bf16")
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,6 +78,36 @@ def _cap() -> int:
     return min(best, ISAS.index(want))
 
 
+_requested: str | None = None  # set_gemm_precision(); None: TQ_CPU_GEMM, else bf16
+
+
+@functools.lru_cache(maxsize=1)
+def _gemm_bf16() -> bool:
+    want = _requested or os.environ.get("TQ_CPU_GEMM", "").strip().lower() or "bf16"
+    if want not in GEMM_PRECISIONS:
+        warnings.warn(f"tq: TQ_CPU_GEMM={want!r} is not one of {', '.join(GEMM_PRECISIONS)}; "
+                      "using bf16", RuntimeWarning, stacklevel=3)
+        want = "bf16"
+    return want == "bf16" and bool(torch.ops.tq_cpu.bf16_gemm())
+
+
+def gemm_precision() -> str:
+    """The product precision of the prefill path's GEMM: "bf16" or "fp32"."""
+    _require()
+    return "bf16" if _gemm_bf16() else "fp32"
+
+
+def set_gemm_precision(precision: str | None) -> None:
+    """Ask for "fp32" or "bf16" GEMM products from now on, in this process (bf16 still
+    needs the CPU's support); None goes back to TQ_CPU_GEMM or the default."""
+    global _requested
+    if precision is not None and precision not in GEMM_PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(GEMM_PRECISIONS)}, "
+                         f"got {precision!r}")
+    _requested = precision
+    _gemm_bf16.cache_clear()
+
+
 def _isa_index(isa: str | None) -> int:
     cap = _cap()  # loads the library
     if isa is None:
@@ -97,21 +136,25 @@ def linear(x: torch.Tensor, signs: torch.Tensor | None, block: int, codes: torch
            scales: torch.Tensor, codebook: torch.Tensor, outlier_idx: torch.Tensor | None,
            outlier_val: torch.Tensor | None, bias: torch.Tensor | None, *, bits: int,
            group_size: int, out_features: int, isa: str | None = None,
-           gemm_min_batch: int | None = None) -> torch.Tensor:
+           gemm_min_batch: int | None = None, gemm: str | None = None) -> torch.Tensor:
     """y = rotate(x) @ dequant(W).T + outliers + bias for x [..., in]; y has x's dtype.
 
     signs None means x is already rotated (orthogonal rotations, or none). gemm_min_batch
-    overrides GEMM_MIN_BATCH (0: never the GEMM path). Operands are passed as they are:
+    overrides GEMM_MIN_BATCH (0: never the GEMM path); gemm ("fp32" or "bf16") overrides
+    gemm_precision() (bf16 still needs the CPU's support). Operands are passed as they are:
     the operator converts what is not already in its dtype (a decode step calls this 200
     times per token, so Python-side conversions would cost more than the matmul).
     """
     isa_i = _cap() if isa is None else _isa_index(isa)
+    if gemm is not None and gemm not in GEMM_PRECISIONS:
+        raise ValueError(f"gemm must be one of {', '.join(GEMM_PRECISIONS)}, got {gemm!r}")
     if outlier_idx is None or outlier_val is None:
         outlier_idx, outlier_val = _EMPTY_IDX, _EMPTY_VAL
     return torch.ops.tq_cpu.linear.default(
         x, signs, block, codes, scales, codebook, outlier_idx, outlier_val, bias, bits,
         group_size, out_features, isa_i,
-        GEMM_MIN_BATCH if gemm_min_batch is None else gemm_min_batch)
+        GEMM_MIN_BATCH if gemm_min_batch is None else gemm_min_batch,
+        _gemm_bf16() if gemm is None else gemm == "bf16")
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:

@@ -5,7 +5,9 @@ a slower or busier machine moves both sides. Per shape and batch: tq's matmul al
 rotation alone, the whole TQLinear forward (rotation, matmul, 0.1% outliers, as one call
 on CPU), `F.linear` with the weight in float32 and in bfloat16, and the whole forward
 again with bfloat16 activations (what a bf16 model runs; "bf16 layer/bf16" sets it
-against the bf16 `F.linear`). Achieved GB/s of
+against the bf16 `F.linear`). On the CPU kernel, "path" names the regime a batch takes:
+the lookup-table GEMV, or dequantize + GEMM with its product precision (bf16 where the
+CPU has bf16 dot products, `TQ_CPU_GEMM=fp32` for float32). Achieved GB/s of
 weight bytes is set against the memory bandwidth: on CUDA the device's theoretical peak,
 on CPU a large copy measured here (bytes read + written per second). On CUDA each call
 is a replayed CUDA graph (launch overhead out, as in a decode loop).
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from tq_cli.bench.metrics import Metric, geomean, memory_bandwidth_gb_s
 from tq_cli.rotation import make_rotation
 from tq_cli.spec import RotationSpec
-from tq_kernels import dispatch
+from tq_kernels import cpu, dispatch
 from tq_kernels.packing import packed_row_bytes
 
 # (out, in): SmolLM2-135M's projections, then Llama-3-8B's.
@@ -131,6 +133,16 @@ def _backend_name(device: torch.device, bits: int) -> str:
     return "torch reference (dequantize+matmul)" if backend == "torch" else backend
 
 
+def _path(device: torch.device, batch: int) -> str:
+    """Which path a batch takes: the CPU kernel's lookup-table GEMV or its dequantize +
+    GEMM (with its product precision); "-" off the CPU kernel."""
+    if not dispatch.backend_for(device).startswith("cpu-"):
+        return "-"
+    if batch < cpu.GEMM_MIN_BATCH:
+        return "LUT GEMV"
+    return f"GEMM {cpu.gemm_precision()}"
+
+
 def _shape_rows(out_f: int, in_f: int, bits: int, batches: list[int], device: torch.device,
                 dtype: torch.dtype, gen: torch.Generator, bandwidth: float | None,
                 progress: Callable[[str], None] | None) -> list[dict[str, Any]]:
@@ -168,7 +180,7 @@ def _shape_rows(out_f: int, in_f: int, bits: int, batches: list[int], device: to
         layer = t_layer if fused else t_mm + t_rot
         row: dict[str, Any] = {
             "shape": f"{out_f}x{in_f}", "out": out_f, "in": in_f, "batch": m, "bits": bits,
-            "backend": _backend_name(device, bits),
+            "backend": _backend_name(device, bits), "path": _path(device, m),
             "tq_matmul_us": t_mm, "tq_rotate_us": t_rot, "tq_layer_us": t_layer,
             "torch_linear_us": t_ref, "torch_bf16_us": t_bf16,
             "torch_dtype": str(dtype).removeprefix("torch."),

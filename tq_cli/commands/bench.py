@@ -54,7 +54,7 @@ HEADERS = {
     "source_mb": "MB", "convert_s": "convert s", "copy_s": "copy s",
     "convert_over_copy": "convert/copy", "convert_mb_s": "MB/s", "peak_rss_mb": "peak RSS MB",
 }
-TEXT_COLUMNS = ("matrix", "method", "rotation", "shape", "model", "backend", "cache")
+TEXT_COLUMNS = ("matrix", "method", "rotation", "shape", "model", "backend", "cache", "path")
 
 
 def _table(title: str, rows: list[dict[str, Any]], cols: list[str],
@@ -78,7 +78,7 @@ def print_tables(result: dict[str, Any]) -> None:
                             "material to this one matrix (a model shares it per width)"))
     if s.get("kernels"):
         k0 = s["kernels"][0]
-        cols = ["shape", "bits", "batch", "tq_matmul_us", "tq_rotate_us", "tq_layer_us",
+        cols = ["shape", "bits", "batch", "path", "tq_matmul_us", "tq_rotate_us", "tq_layer_us",
                 "torch_linear_us", "torch_bf16_us", "matmul_over_torch",
                 "with_rotation_over_torch", "matmul_over_bf16", "tq_layer_bf16_us",
                 "bf16_layer_over_bf16", "tq_gb_s"]

@@ -2,7 +2,7 @@
 //
 //   torch.ops.tq_cpu.linear(x, signs?, block, codes, scales, codebook, outlier_idx,
 //                           outlier_val, bias?, bits, group_size, out_features, isa,
-//                           gemm_min_batch) -> y
+//                           gemm_min_batch, bf16_gemm) -> y
 //
 // One call rotates x (blockwise Hadamard, O(n log b)), multiplies it with the packed
 // weight, adds the sparse outliers and the bias: the same result as tq_kernels.reference
@@ -10,7 +10,8 @@
 // Below gemm_min_batch activation rows it is a lookup-table GEMV that reads the packed
 // weight once, parallel over output rows on torch's own OpenMP pool (so it never fights
 // torch's spinning threads); from gemm_min_batch rows on it dequantizes row blocks into a
-// reused buffer and calls torch's BLAS GEMM. The SIMD variant is picked at run time with
+// reused buffer and calls torch's GEMM, in float32 or (bf16_gemm, on CPUs with native
+// bf16 dot products) in bfloat16 with float32 accumulation. The SIMD variant is picked at run time with
 // __builtin_cpu_supports, so a cached build never executes an instruction the CPU lacks.
 // Compiled once per torch version and source by tq_kernels/cpu_build.py.
 #include <ATen/Parallel.h>
@@ -22,6 +23,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -171,11 +173,27 @@ int64_t row_grain(int64_t n, int64_t M) {
 
 constexpr int64_t kBufferBytes = int64_t{8} << 20;  // per GEMM block: stays in L3
 
-// bf16: for bfloat16 activations the dequantized block and the rotated activations are
-// rounded to bfloat16 and multiplied by torch's bf16 GEMM (oneDNN on AVX512-BF16 or
-// AMX), the bias added inside it, as F.linear does for a bf16 model: float32
-// accumulation, one rounding of product plus bias to bf16 (exact in the float32 y).
-// Returns whether it added the bias.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+// float -> bfloat16 rounded to nearest even, as c10::BFloat16 (a NaN stays a quiet NaN);
+// the loop vectorizes. Only the bf16 GEMM calls it, and every CPU with AVX512-BF16 or AMX
+// has AVX-512.
+void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof u);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    dst[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
+  }
+}
+#pragma GCC pop_options
+
+// bf16: the dequantized block and the rotated activations are rounded to bfloat16 and
+// multiplied by torch's bf16 GEMM (oneDNN on AVX512-BF16 or AMX, 2.1-2.2x the fp32 GEMM's
+// rate): float32 accumulation, one rounding of the product (plus bias, when given, as
+// F.linear does for a bf16 model) to bf16. For float32 activations that is three
+// roundings of 2^-9 relative each, against a dequantized weight that is already off by
+// 2^-3 or so (docs/decisions.md has the perplexity). Returns whether it added the bias.
 bool gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outliers& o,
                const at::Tensor& xp, const at::Tensor& y, bool bf16, const at::Tensor& bias) {
   static thread_local at::Tensor buffer, low;  // reused across layers and calls
@@ -189,6 +207,7 @@ bool gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outli
   for (int64_t b0 = 0; b0 < out; b0 += rows) {
     const int64_t b1 = std::min(out, b0 + rows);
     float* W = buffer.data_ptr<float>();
+    uint16_t* Wl = bf16 ? reinterpret_cast<uint16_t*>(low.data_ptr<at::BFloat16>()) : nullptr;
     at::parallel_for(b0, b1, 16, [&](int64_t r0, int64_t r1) {
       dequant(P, W + (r0 - b0) * P.K, P.K, r0, r1);
       int64_t j = o.first(r0 * P.n);
@@ -197,12 +216,13 @@ bool gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outli
         for (; j < o.k && o.idx[j] < end; ++j)
           W[(r - b0) * P.K + layout_pos(L, o.idx[j] - base)] += half_to_float(o.val[j]);
       }
+      if (Wl != nullptr)  // while these rows are still in cache
+        to_bf16(W + (r0 - b0) * P.K, Wl + (r0 - b0) * P.K, (r1 - r0) * P.K);
     });
     at::Tensor w = buffer.narrow(0, 0, (b1 - b0) * P.K).view({b1 - b0, P.K});
     at::Tensor dst = y.narrow(1, b0, b1 - b0);
     if (bf16) {
       at::Tensor wl = low.narrow(0, 0, (b1 - b0) * P.K).view({b1 - b0, P.K});
-      wl.copy_(w);
       dst.copy_(bias.defined() ? at::addmm(bias.narrow(0, b0, b1 - b0), xl, wl.t())
                                : at::mm(xl, wl.t()));
     } else {
@@ -337,7 +357,7 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
                   const at::Tensor& codebook_in, const at::Tensor& outlier_idx_in,
                   const at::Tensor& outlier_val_in, const std::optional<at::Tensor>& bias,
                   int64_t bits, int64_t group_size, int64_t out_features, int64_t isa,
-                  int64_t gemm_min_batch) {
+                  int64_t gemm_min_batch, bool bf16_gemm) {
   TORCH_CHECK(bits >= 1 && bits <= 8, "tq_cpu.linear: bits must be 1-8, got ", bits);
   TORCH_CHECK(group_size > 0 && group_size % 8 == 0, "tq_cpu.linear: bad group size ",
               group_size);
@@ -407,8 +427,12 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (gemm) {
     const auto fopt = x2.options().dtype(at::kFloat);
-    const bool bf16 = x.scalar_type() == at::kBFloat16 && has_bf16_gemm();
-    const at::Tensor bias_l = bf16 && bias_f.defined() ? bias_f.to(at::kBFloat16) : at::Tensor();
+    const bool bf16 = bf16_gemm && has_bf16_gemm();
+    // A bf16 result takes the bias inside the GEMM (one rounding, as F.linear); a float32
+    // or fp16 one adds it in float32 after.
+    const at::Tensor bias_l = bf16 && x.scalar_type() == at::kBFloat16 && bias_f.defined()
+                                  ? bias_f.to(at::kBFloat16)
+                                  : at::Tensor();
     const bool biased = gemm_path(P, kern.dequant, L, o, at::from_blob(xp, {M, K}, fopt),
                                   at::from_blob(y, {M, out}, fopt), bf16, bias_l);
     if (bp != nullptr && !biased)
@@ -445,6 +469,8 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, int64_t block) {
 
 int64_t cpu_isa() { return best_isa(); }
 
+bool bf16_gemm() { return has_bf16_gemm(); }
+
 int64_t kernel_isa(int64_t isa, int64_t bits, int64_t group_size) {
   return effective_isa(std::min<int64_t>(isa, best_isa()), static_cast<int>(bits), group_size);
 }
@@ -455,9 +481,10 @@ int64_t kernel_isa(int64_t isa, int64_t bits, int64_t group_size) {
 TORCH_LIBRARY(tq_cpu, m) {
   m.def("linear(Tensor x, Tensor? signs, int block, Tensor codes, Tensor scales, "
         "Tensor codebook, Tensor outlier_idx, Tensor outlier_val, Tensor? bias, int bits, "
-        "int group_size, int out_features, int isa, int gemm_min_batch) -> Tensor",
+        "int group_size, int out_features, int isa, int gemm_min_batch, bool bf16_gemm) -> Tensor",
         &tqcpu::linear);
   m.def("rotate(Tensor x, Tensor signs, int block) -> Tensor", &tqcpu::rotate);
   m.def("cpu_isa() -> int", &tqcpu::cpu_isa);
+  m.def("bf16_gemm() -> bool", &tqcpu::bf16_gemm);
   m.def("kernel_isa(int isa, int bits, int group_size) -> int", &tqcpu::kernel_isa);
 }
