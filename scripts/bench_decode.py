@@ -72,6 +72,11 @@ def measure(models: dict[str, torch.nn.Module], prompt: torch.Tensor, long: torc
                 cpu.set_gemm_precision(gemm)
                 keep(f"tq.prefill.{gemm}", prefill(m, long))
             cpu.set_gemm_precision(None)
+    ran = {}
+    for gemm in gemms:  # what each one ran: bf16 is fp32 on a CPU without bf16 products
+        cpu.set_gemm_precision(gemm)
+        ran[gemm] = cpu.gemm_precision()
+    cpu.set_gemm_precision(None)
     n = prompt.shape[1]
     row: dict[str, Any] = {
         "fp32_decode_tokens_per_s": round(best["fp32.decode"], 2),
@@ -81,6 +86,7 @@ def measure(models: dict[str, torch.nn.Module], prompt: torch.Tensor, long: torc
     }
     for i, gemm in enumerate(gemms):
         tag = "" if i == 0 else f"_{gemm}_products"
+        row[f"tq{tag}_prefill_gemm_ran"] = ran[gemm]
         row[f"tq{tag}_prefill_tokens_per_s"] = round(best[f"tq.prefill.{gemm}"], 1)
         row[f"prefill{tag}_ratio_tq_over_fp32"] = round(
             best[f"tq.prefill.{gemm}"] / best["fp32.prefill"], 3)
@@ -103,6 +109,9 @@ def main() -> int:
                          "bf16 dot products)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    gemms = [g.strip() for g in args.gemm.split(",") if g.strip()]
+    if not gemms or not set(gemms) <= set(cpu.GEMM_PRECISIONS):
+        ap.error(f"--gemm takes {' and/or '.join(cpu.GEMM_PRECISIONS)}, got {args.gemm!r}")
     src = smollm2_folder()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.folder) if args.folder else Path(tmp) / "smol-tq4"
@@ -115,7 +124,6 @@ def main() -> int:
         models = {"fp32": AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(),
                   "tq": tq_cli.load(folder, device="cpu")}
         rep = models["tq"].tq_report
-        gemms = [g.strip() for g in args.gemm.split(",") if g.strip()]
         runs = []
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)

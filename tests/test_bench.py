@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from tq_cli.app import app
 from tq_cli.bench import quality
 from tq_cli.bench.metrics import BaselineError, Metric, compare
+from tq_kernels import cpu as cpu_kernel
 
 runner = CliRunner()
 QUALITY_KEY = "quality.heavy.tq.hadamard.3bit.rel_error"
@@ -43,6 +44,8 @@ def test_quick_run_has_every_section(quick_result: dict[str, Any]) -> None:
     env = quick_result["environment"]
     assert env["device_type"] == "cpu" and env["torch"] == torch.__version__
     assert {"triton", "cuda", "cpu_count", "device_name"} <= set(env)
+    if cpu_kernel.available():
+        assert env["cpu_gemm"] == cpu_kernel.gemm_precision()
     conv = quick_result["sections"]["conversion"][0]
     assert conv["convert_over_copy"] == pytest.approx(conv["convert_s"] / conv["copy_s"])
     assert 4.0 < conv["bits_per_weight"] < 4.3
@@ -96,6 +99,19 @@ def test_compare_rules() -> None:
     assert c.regressions[0].change == pytest.approx(0.6)
     with pytest.raises(BaselineError, match="shares no metric"):
         compare({"x": Metric(1.0, "quality")}, "cpu", base, 0.01, 0.5)
+
+
+def test_kernel_timings_compare_only_like_gemm_products() -> None:
+    base = {"environment": {"device_type": "cpu", "cpu_gemm": "bf16"}, "metrics": {
+        "kernels.cpu.x": {"value": 1.0, "kind": "speed"},
+        "convert.cpu.y": {"value": 1.0, "kind": "speed"}}}
+    cur = {"kernels.cpu.x": Metric(9.0, "speed"), "convert.cpu.y": Metric(1.0, "speed")}
+    c = compare(cur, "cpu", base, 0.01, 0.5, current_cpu_gemm="fp32")
+    assert c.compared == 1 and not c.regressions
+    assert c.skipped == ["kernels.cpu.x: baseline ran bf16 CPU GEMM products, this run fp32"]
+    for gemm in ("bf16", None):  # the same products, or a run that did not record them
+        c = compare(cur, "cpu", base, 0.01, 0.5, current_cpu_gemm=gemm)
+        assert [r.name for r in c.regressions] == ["kernels.cpu.x"]
 
 
 def test_quality_matrices_are_fixed_and_heavy_tailed() -> None:

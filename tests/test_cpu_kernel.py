@@ -106,9 +106,43 @@ def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch
     _check(got, _want(x, q, signs, 64, bias), dtype, slack)
 
 
-def test_bf16_products_are_the_default_where_native() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bf16_products_match_an_emulation(dtype: torch.dtype) -> None:
+    """Where bf16 products run, each output is the bf16 product of the bf16-rounded rotated
+    input and weight (outliers inside), rounded to bf16 once, the bias inside that rounding
+    for bf16 activations and added in float32 after it otherwise: to one bf16 ulp, which
+    pins the bias (dropped or added twice, it is off by far more)."""
+    if not cpu.native_bf16_gemm():
+        pytest.skip("this CPU has no bf16 dot products: 'bf16' runs float32 products")
+    n = 576
+    q = _quantized(4, n, 64)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(17, n, generator=g).to(dtype)
+    bias = 4 * torch.randn(OUT, generator=g)
+    signs = _signs(n, 64)
+    got = cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
+                     q.outlier_val, bias, bits=4, group_size=64, out_features=OUT,
+                     gemm_min_batch=1, gemm="bf16")
+    xr = cpu.rotate(x.float(), signs, 64).bfloat16().double()  # the kernel's own rotation
+    w = dequantize_rotated(q).bfloat16().double()
+    p = xr @ w.T
+    if dtype == torch.bfloat16:
+        want = p + bias.bfloat16().double()
+        bound = 2.0**-7 * want.abs()
+    else:
+        want = p + bias.double()
+        bound = 2.0**-7 * p.abs() + RTOL[dtype] * want.abs()
+    bound = bound + 1e-5 * (xr.abs() @ w.abs().T)  # float32 accumulation
+    assert got.dtype == dtype
+    err = (got.double() - want).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+def test_bf16_products_are_the_default_where_native(monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill GEMM multiplies in bf16 where the CPU has bf16 dot products (and then
     differs from float32 products), and TQ_CPU_GEMM=fp32 turns that off."""
+    monkeypatch.delenv("TQ_CPU_GEMM", raising=False)
+    cpu.set_gemm_precision(None)
     q = _quantized(4, 576, 64)
     x = torch.randn(32, 576, generator=torch.Generator().manual_seed(1))
     signs = _signs(576, 64)
@@ -118,7 +152,7 @@ def test_bf16_products_are_the_default_where_native() -> None:
                           q.outlier_val, None, bits=4, group_size=64, out_features=OUT,
                           gemm=gemm)
 
-    native = bool(torch.ops.tq_cpu.bf16_gemm())
+    native = cpu.native_bf16_gemm()
     assert cpu.gemm_precision() == ("bf16" if native else "fp32")
     assert torch.equal(run(None), run(cpu.gemm_precision()))
     assert torch.equal(run("bf16"), run("fp32")) is not native
@@ -128,18 +162,21 @@ def test_bf16_products_are_the_default_where_native() -> None:
 
 def test_gemm_precision_follows_environment_and_setter(monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
-    native = "bf16" if torch.ops.tq_cpu.bf16_gemm() else "fp32"
+    native = "bf16" if cpu.native_bf16_gemm() else "fp32"
     try:
+        for value, want in (("fp32", "fp32"), ("Float32", "fp32"), ("bfloat16", native),
+                            ("", native)):
+            monkeypatch.setenv("TQ_CPU_GEMM", value)
+            cpu.set_gemm_precision(None)  # rereads the environment
+            assert cpu.gemm_precision() == want, value
         monkeypatch.setenv("TQ_CPU_GEMM", "fp32")
-        cpu.set_gemm_precision(None)  # rereads the environment
-        assert cpu.gemm_precision() == "fp32"
         cpu.set_gemm_precision("bf16")  # the setter wins over the environment
         assert cpu.gemm_precision() == native
-        monkeypatch.setenv("TQ_CPU_GEMM", "int4")
+        monkeypatch.setenv("TQ_CPU_GEMM", "fp32,")  # a mistyped opt-out still opts out
         cpu.set_gemm_precision(None)
-        with pytest.warns(RuntimeWarning, match="TQ_CPU_GEMM='int4' is not one of fp32, "
-                                                "bf16; using bf16"):
-            assert cpu.gemm_precision() == native
+        with pytest.warns(RuntimeWarning, match="TQ_CPU_GEMM='fp32,' is not one of fp32, "
+                                                "bf16; using fp32"):
+            assert cpu.gemm_precision() == "fp32"
         with pytest.raises(ValueError, match="precision must be one of fp32, bf16, got 'fp8'"):
             cpu.set_gemm_precision("fp8")
     finally:

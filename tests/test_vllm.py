@@ -151,7 +151,7 @@ def _vllm(folder: Path, tmp: Path, tp: int = 1, prompts: list[list[int]] = PROMP
     # _tq_greedy prefills each alone (under 16 rows: the float32 GEMV). With bf16 GEMM
     # products the two differ by bf16 rounding, which can flip a near-tie greedy token;
     # float32 products make them agree to float32 rounding, so tokens compare exactly.
-    env.setdefault("TQ_CPU_GEMM", "fp32")
+    env["TQ_CPU_GEMM"] = "fp32"
     if tp > 1 and not torch.cuda.is_available():
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind(tp))
     cmd = [sys.executable, str(ROOT / "scripts" / "vllm_generate.py"), str(folder),

@@ -7,11 +7,11 @@ first use (`cpu_build`); if that fails, `available()` is False, one warning says
 
 The prefill path's GEMM (from GEMM_MIN_BATCH rows) multiplies in bfloat16 with float32
 accumulation on CPUs with native bf16 dot products (AVX512-BF16 or AMX), whatever the
-activations' dtype: 2.1x the fp32 GEMM's rate, and the rounding is small next to the
-4-bit weight's own error (docs/decisions.md). `TQ_CPU_GEMM=fp32` keeps float32 products
-for a process, `set_gemm_precision()` switches from Python, `gemm_precision()` says which
-one runs. Decode-sized batches always take
-the float32 lookup-table GEMV.
+activations' dtype: about twice the fp32 GEMM's rate, and the rounding is small next to
+the 4-bit weight's own error (docs/decisions.md). `TQ_CPU_GEMM=fp32` keeps float32
+products for a process, `set_gemm_precision()` switches from Python, `gemm_precision()`
+says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap it.
+Decode-sized batches always take the float32 lookup-table GEMV.
 
 Variants are named by instruction set: "avx512", "avx2", "scalar". The best one the CPU
 supports is used; `TQ_CPU_ISA=avx2` (or `scalar`) caps it for a process, and tests pass
@@ -81,18 +81,28 @@ def _cap() -> int:
 _requested: str | None = None  # set_gemm_precision(); None: TQ_CPU_GEMM, else bf16
 
 
+_GEMM_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+
 @functools.lru_cache(maxsize=1)
 def _gemm_bf16() -> bool:
-    want = _requested or os.environ.get("TQ_CPU_GEMM", "").strip().lower() or "bf16"
-    if want not in GEMM_PRECISIONS:
-        warnings.warn(f"tq: TQ_CPU_GEMM={want!r} is not one of {', '.join(GEMM_PRECISIONS)}; "
-                      "using bf16", RuntimeWarning, stacklevel=3)
-        want = "bf16"
-    return want == "bf16" and bool(torch.ops.tq_cpu.bf16_gemm())
+    env = os.environ.get("TQ_CPU_GEMM", "").strip().lower()
+    want = _requested or _GEMM_ALIASES.get(env or "bf16")
+    if want is None:  # a mistyped opt-out should not give what it tried to turn off
+        warnings.warn(f"tq: TQ_CPU_GEMM={env!r} is not one of {', '.join(GEMM_PRECISIONS)}; "
+                      "using fp32", RuntimeWarning, stacklevel=3)
+        want = "fp32"
+    return want == "bf16" and native_bf16_gemm()
+
+
+def native_bf16_gemm() -> bool:
+    """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX), which bf16 needs."""
+    _require()
+    return bool(torch.ops.tq_cpu.bf16_gemm())
 
 
 def gemm_precision() -> str:
-    """The product precision of the prefill path's GEMM: "bf16" or "fp32"."""
+    """The product precision of the prefill path's GEMM now: "bf16" or "fp32"."""
     _require()
     return "bf16" if _gemm_bf16() else "fp32"
 

@@ -56,7 +56,7 @@ class BenchResult:
     def gate(self, baseline: dict[str, Any], max_regression: float,
              max_slowdown: float) -> Comparison:
         self.comparison = compare(self.metrics, self.spec.device.type, baseline,
-                                  max_regression, max_slowdown)
+                                  max_regression, max_slowdown, self.env.get("cpu_gemm"))
         return self.comparison
 
 

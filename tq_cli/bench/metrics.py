@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tq_cli import __version__
 from tq_cli.errors import TqError, first_error
+from tq_kernels import cpu as cpu_kernel
 
 Kind = Literal["quality", "speed", "memory", "info"]  # info: reported, never gated
 
@@ -36,6 +37,7 @@ class _BaselineMetric(BaseModel):
 class _BaselineEnv(BaseModel):
     model_config = ConfigDict(extra="allow")
     device_type: str
+    cpu_gemm: str | None = None  # the CPU kernel's GEMM products; None: not recorded
 
 
 class BaselineDoc(BaseModel):
@@ -102,15 +104,19 @@ def check_baseline(baseline: Any, name: str = "baseline") -> BaselineDoc:
 
 
 def compare(current: dict[str, Metric], current_device: str, baseline: dict[str, Any],
-            max_regression: float, max_slowdown: float) -> Comparison:
+            max_regression: float, max_slowdown: float,
+            current_cpu_gemm: str | None = None) -> Comparison:
     """Gate `current` against a baseline result (the JSON `tq bench --json` writes).
 
     Quality metrics use `max_regression`; speed and memory use `max_slowdown` and are
-    only compared when the baseline ran on the same kind of device (cpu vs cuda).
+    only compared when the baseline ran on the same kind of device (cpu vs cuda), and
+    kernel timings only when both ran the same CPU GEMM products (bf16 products are
+    about twice as fast as float32 ones, so the two are different baselines).
     """
     doc = check_baseline(baseline)
     base_metrics = {k: m.model_dump() for k, m in doc.metrics.items()}
     base_device = doc.environment.device_type
+    base_gemm = doc.environment.cpu_gemm
     skipped: list[str] = []
     regressions: list[Regression] = []
     compared = 0
@@ -124,6 +130,11 @@ def compare(current: dict[str, Metric], current_device: str, baseline: dict[str,
         if cur.kind != "quality" and base_device != current_device:
             skipped.append(f"{name}: baseline ran on {base_device}, this run on "
                            f"{current_device}")
+            continue
+        if (cur.kind == "speed" and name.startswith("kernels.") and base_gemm
+                and current_cpu_gemm and base_gemm != current_cpu_gemm):
+            skipped.append(f"{name}: baseline ran {base_gemm} CPU GEMM products, this run "
+                           f"{current_cpu_gemm}")
             continue
         limit = max_regression if cur.kind == "quality" else max_slowdown
         change = worse_by(cur, float(entry["value"]))
@@ -151,6 +162,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["triton"] = triton.__version__
     except Exception:  # not installed or broken: recorded as None
         pass
+    if device.type == "cpu" and cpu_kernel.available():
+        env["cpu_gemm"] = cpu_kernel.gemm_precision()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env["device_name"] = props.name

@@ -173,11 +173,13 @@ int64_t row_grain(int64_t n, int64_t M) {
 
 constexpr int64_t kBufferBytes = int64_t{8} << 20;  // per GEMM block: stays in L3
 
+#if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl")
+#endif
 // float -> bfloat16 rounded to nearest even, as c10::BFloat16 (a NaN stays a quiet NaN);
 // the loop vectorizes. Only the bf16 GEMM calls it, and every CPU with AVX512-BF16 or AMX
-// has AVX-512.
+// has AVX-512 (elsewhere it compiles as plain C++ and is never called).
 void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
@@ -186,14 +188,17 @@ void to_bf16(const float* src, uint16_t* dst, int64_t n) {
     dst[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
   }
 }
+#if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC pop_options
+#endif
 
 // bf16: the dequantized block and the rotated activations are rounded to bfloat16 and
-// multiplied by torch's bf16 GEMM (oneDNN on AVX512-BF16 or AMX, 2.1-2.2x the fp32 GEMM's
-// rate): float32 accumulation, one rounding of the product (plus bias, when given, as
-// F.linear does for a bf16 model) to bf16. For float32 activations that is three
-// roundings of 2^-9 relative each, against a dequantized weight that is already off by
-// 2^-3 or so (docs/decisions.md has the perplexity). Returns whether it added the bias.
+// multiplied by torch's bf16 GEMM (oneDNN on AVX512-BF16 or AMX; scripts/bench_cpu_bf16.py
+// times it against the fp32 GEMM): float32 accumulation, one rounding of the product
+// (plus the bias, when given, as F.linear does for a bf16 model) to bf16. For float32
+// activations that is three roundings of 2^-9 relative each, against a dequantized
+// weight that is already off by 2^-3 or so (docs/decisions.md has the perplexity).
+// Returns whether it added the bias.
 bool gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outliers& o,
                const at::Tensor& xp, const at::Tensor& y, bool bf16, const at::Tensor& bias) {
   static thread_local at::Tensor buffer, low;  // reused across layers and calls
