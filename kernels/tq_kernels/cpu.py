@@ -34,7 +34,8 @@ ISAS = ("scalar", "avx2", "avx512")
 # From this many activation rows on, dequantizing row blocks once and calling torch's
 # GEMM beats the lookup-table GEMV, which redoes the lookups for every 4 rows. Measured
 # with scripts/bench_cpu_threshold.py on SmolLM2 and Llama-3-8B shapes (2-core AVX-512
-# EPYC): the crossover is at 8-24 rows, depending on width and bits.
+# EPYC): the crossover is at 8-24 rows with float32 GEMM products and 12-32 (mostly
+# 12-16) with bf16 ones, depending on width and bits.
 GEMM_MIN_BATCH = 16
 GEMM_PRECISIONS = ("fp32", "bf16")
 
