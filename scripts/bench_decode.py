@@ -72,11 +72,8 @@ def measure(models: dict[str, torch.nn.Module], prompt: torch.Tensor, long: torc
                 cpu.set_gemm_precision(gemm)
                 keep(f"tq.prefill.{gemm}", prefill(m, long))
             cpu.set_gemm_precision(None)
-    ran = {}
-    for gemm in gemms:  # what each one ran: bf16 is fp32 on a CPU without bf16 products
-        cpu.set_gemm_precision(gemm)
-        ran[gemm] = cpu.gemm_precision()
-    cpu.set_gemm_precision(None)
+    native = cpu.native_bf16_gemm()  # without bf16 dot products "bf16" runs fp32
+    ran = {g: g if native else "fp32" for g in gemms}
     n = prompt.shape[1]
     row: dict[str, Any] = {
         "fp32_decode_tokens_per_s": round(best["fp32.decode"], 2),

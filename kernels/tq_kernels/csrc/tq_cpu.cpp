@@ -11,8 +11,9 @@
 // weight once, parallel over output rows on torch's own OpenMP pool (so it never fights
 // torch's spinning threads); from gemm_min_batch rows on it dequantizes row blocks into a
 // reused buffer and calls torch's GEMM, in float32 or (bf16_gemm, on CPUs with native
-// bf16 dot products) in bfloat16 with float32 accumulation. The SIMD variant is picked at run time with
-// __builtin_cpu_supports, so a cached build never executes an instruction the CPU lacks.
+// bf16 dot products) in bfloat16 with float32 accumulation. The SIMD variant is picked at
+// run time with __builtin_cpu_supports, so a cached build never executes an instruction
+// the CPU lacks.
 // Compiled once per torch version and source by tq_kernels/cpu_build.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -486,7 +487,8 @@ int64_t kernel_isa(int64_t isa, int64_t bits, int64_t group_size) {
 TORCH_LIBRARY(tq_cpu, m) {
   m.def("linear(Tensor x, Tensor? signs, int block, Tensor codes, Tensor scales, "
         "Tensor codebook, Tensor outlier_idx, Tensor outlier_val, Tensor? bias, int bits, "
-        "int group_size, int out_features, int isa, int gemm_min_batch, bool bf16_gemm) -> Tensor",
+        "int group_size, int out_features, int isa, int gemm_min_batch, bool bf16_gemm) "
+        "-> Tensor",
         &tqcpu::linear);
   m.def("rotate(Tensor x, Tensor signs, int block) -> Tensor", &tqcpu::rotate);
   m.def("cpu_isa() -> int", &tqcpu::cpu_isa);
