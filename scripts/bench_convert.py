@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 from tq_cli.bench.conversion import QUICK_MODEL, convert_in_child, copy_seconds
+from tq_cli.bench.synthetic_llama import LLAMA_3_2_1B, write_synthetic_llama
 from tq_cli.device import resolve_device
-from tq_cli.synthetic import LLAMA_3_2_1B, write_synthetic_llama
 
 SYNTHETIC = {"llama-3.2-1b": LLAMA_3_2_1B, "quick": QUICK_MODEL}
 

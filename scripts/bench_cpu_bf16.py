@@ -25,9 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tq_cli.quantizer import quantize
-from tq_cli.rotation import make_rotation
-from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.quant.grouped import quantize
+from tq_cli.quant.rotation import make_rotation
+from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels import cpu
 
 SHAPES = ((1536, 576), (576, 1536), (4096, 4096))

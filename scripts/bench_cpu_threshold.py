@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from tq_cli.bench.kernels import GROUP, LLAMA3_8B, SMOLLM2, _operands, time_us
-from tq_cli.rotation import make_rotation
-from tq_cli.spec import RotationSpec
+from tq_cli.quant.rotation import make_rotation
+from tq_cli.quant.spec import RotationSpec
 from tq_kernels import cpu
 
 

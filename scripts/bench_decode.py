@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 import tq_cli
-from tq_cli.converter import ConvertSpec, convert
+from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.demo_model import smollm2_folder
-from tq_cli.spec import QuantSpec
-from tq_cli.text import evaluation_text
+from tq_cli.io.text import evaluation_text
+from tq_cli.quant.spec import QuantSpec
 from tq_kernels import cpu
 
 

@@ -16,7 +16,7 @@ fp32), int `bits`, groups of `group-size` input columns, symmetric by default (t
 W4A16 preset; --asym for asymmetric), min-max observer, scales fixed from the original
 weights before the GPTQ sweep (llmcompressor's way), desc_act/actorder off, block 128,
 dampening 0.01 of the mean Hessian diagonal. Calibration: the project's calibration text
-(tq_cli.text.calibration_text, read in a subprocess so tq's transformers hook stays out of
+(tq_cli.io.text.calibration_text, read in a subprocess so tq's transformers hook stays out of
 this process) tokenized once and cut into `samples` consecutive chunks of `seqlen` tokens;
 with SmolLM2's tokenizer it is 50,079 tokens, so at most 97 x 512 (or 130 x 384).
 
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def calibration_ids(tok, samples: int, seqlen: int) -> list[list[int]]:
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tq_cli.text import "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tq_cli.io.text import "
             "calibration_text; sys.stdout.write(calibration_text().text)")
     text = subprocess.run([sys.executable, "-c", code, str(ROOT)], check=True,
                           capture_output=True, text=True).stdout

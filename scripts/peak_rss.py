@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from tq_cli.synthetic import LLAMA_3_2_1B, write_synthetic_llama
+from tq_cli.bench.synthetic_llama import LLAMA_3_2_1B, write_synthetic_llama
 
 
 def main() -> int:

@@ -34,7 +34,7 @@ row (with these models' widths, multiples of 64, a block never spans two rows):
   block absmaxes, less their mean (one fp32 offset), are quantized again to 8 bits with
   bitsandbytes' dynamic map in blocks of 256, each with an fp32 absmax.
 
-Bits per weight are counted as tq counts them (tq_cli/finish.py: every byte stored for
+Bits per weight are counted as tq counts them (tq_cli/conversion/finish.py: every byte stored for
 the converted tensors, over their number of weights): the sum, over the converted
 tensors, of the bytes of every tensor the tool serialises for a weight (bitsandbytes:
 `QuantState.as_dict(packed=True)` plus the packed codes; HQQ: `W_q`, `scale`, `zero` of
@@ -80,9 +80,9 @@ def converted_names(source: Path, tq_python: Path) -> list[str]:
     """The tensors `tq convert SOURCE` converts (its recipe's plan), from tq's own venv."""
     code = ("import sys, json; from pathlib import Path; sys.path.insert(0, sys.argv[1])\n"
             "from tq_cli.io.safetensors_reader import open_source\n"
-            "from tq_cli.plan import make_plan\n"
-            "from tq_cli.recipe import resolve_recipe\n"
-            "from tq_cli.spec import QuantSpec, RotationSpec\n"
+            "from tq_cli.planning.plan import make_plan\n"
+            "from tq_cli.planning.recipe import resolve_recipe\n"
+            "from tq_cli.quant.spec import QuantSpec, RotationSpec\n"
             "src = open_source(Path(sys.argv[2]))\n"
             "plan = make_plan(src, resolve_recipe(None, src.config), QuantSpec(bits=4),\n"
             "                 RotationSpec(kind='none'))\n"

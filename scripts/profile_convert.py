@@ -64,8 +64,9 @@ def _reset_passes(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def instrument() -> None:
-    from tq_cli import pipeline, quantizer, tensor_fit
+    from tq_cli.conversion import pipeline
     from tq_cli.io import writer
+    from tq_cli.quant import grouped as quantizer
 
     _wrap(pipeline, "read_tensor", "read: read_tensor")
     _wrap(pipeline, "tensor_sha256", "read: sha256 of source")
@@ -85,10 +86,9 @@ def instrument() -> None:
     _wrap(quantizer, "pack_codes", "quantize: packing (torch)")
     _wrap(writer.ShardWriter, "write", "write: pwrite + sha256 of output")
     if not hasattr(pipeline, "rotate_owned"):  # trees before the native rotation
-        from tq_cli.rotation import Rotation
+        from tq_cli.quant.rotation import Rotation
 
         _wrap(Rotation, "rotate_rows", "rotate: rotation")
-    del tensor_fit
 
 
 def main() -> int:
@@ -99,8 +99,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     instrument()
-    from tq_cli.converter import ConvertSpec, convert
-    from tq_cli.spec import QuantSpec
+    from tq_cli.conversion.converter import ConvertSpec, convert
+    from tq_cli.quant.spec import QuantSpec
 
     if args.source:
         src = Path(args.source)

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import save_file
 
 from tq_cli.io.safetensors_reader import open_source, read_tensor
-from tq_cli.plan import make_plan
-from tq_cli.recipe import resolve_recipe
-from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.planning.plan import make_plan
+from tq_cli.planning.recipe import resolve_recipe
+from tq_cli.quant.spec import QuantSpec, RotationSpec
 
 
 def rtn_minmax(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import write_safetensors
 
-from tq_cli.converter import ConvertSpec, convert, partial_path
+from tq_cli.conversion.converter import ConvertSpec, convert, partial_path
 from tq_cli.errors import TqError
 
 

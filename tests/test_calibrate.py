@@ -12,9 +12,9 @@ import typer
 from torch import nn
 from typer.testing import CliRunner
 
-import tq_cli.calibrate as calib_mod
-import tq_cli.skeleton as skeleton_mod
-from tq_cli.calibrate import (
+import tq_cli.calibration.collect as calib_mod
+import tq_cli.calibration.skeleton as skeleton_mod
+from tq_cli.calibration.collect import (
     CalibrationMismatchError,
     CalibResult,
     CalibSpec,
@@ -25,7 +25,7 @@ from tq_cli.calibrate import (
 from tq_cli.commands import calibrate as calibrate_cmd
 from tq_cli.errors import CorruptFileError, OutputError, TqError
 from tq_cli.io.safetensors_reader import open_source
-from tq_cli.text import Text, calibration_text
+from tq_cli.io.text import Text, calibration_text
 
 SAMPLES, SEQLEN, BATCH = 6, 32, 4  # 6 = 4 + 2: the last batch is short on purpose
 HEAD_RECIPE = """
@@ -107,9 +107,9 @@ def test_matches_whole_model_pass(tiny_llama: Path,
 
 def test_groups_share_one_matrix_and_cover_every_converted_tensor(
         tiny_llama: Path, head_recipe: Path, calibrated: tuple[Path, CalibResult]) -> None:
-    from tq_cli.plan import make_plan
-    from tq_cli.recipe import load_recipe
-    from tq_cli.spec import QuantSpec, RotationSpec
+    from tq_cli.planning.plan import make_plan
+    from tq_cli.planning.recipe import load_recipe
+    from tq_cli.quant.spec import QuantSpec, RotationSpec
 
     out, result = calibrated
     cal = read_calibration(out)

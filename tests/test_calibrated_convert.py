@@ -11,12 +11,12 @@ from typer.testing import CliRunner
 from weighted import weighted_errors
 
 from tq_cli.app import app
-from tq_cli.calibrate import CalibSpec, calibrate
-from tq_cli.converter import ConvertSpec, convert
+from tq_cli.calibration.collect import CalibSpec, calibrate
+from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.errors import TqError
 from tq_cli.io.calibration import Calibration, read_calibration
 from tq_cli.io.manifest import read_manifest
-from tq_cli.spec import QuantSpec
+from tq_cli.quant.spec import QuantSpec
 
 runner = CliRunner()
 QUANT = QuantSpec(bits=3, group_size=32)
@@ -49,7 +49,7 @@ def test_calibrated_convert_beats_data_free(tiny_llama: Path, calib_file: Path,
     total_free, total_cal = sum(e_free.values()), sum(e_cal.values())
     assert total_cal < 0.8 * total_free
     # Same format: the loader runs it like any other checkpoint.
-    from tq_cli.loader import load
+    from tq_cli.runtime.loader import load
 
     model = load(cal, device="cpu", dtype=torch.float32)
     logits = model(torch.arange(10)[None]).logits
@@ -109,7 +109,7 @@ def test_target_bits_mixed_precision(tiny_llama: Path, calib_file: Path,
     assert m["mixed_precision"]["tensors_per_bits"] == {
         str(b): sum(1 for t in m["tensors"] if t.get("spec", {}).get("bits") == b)
         for b in (2, 3, 4)}
-    from tq_cli.loader import load
+    from tq_cli.runtime.loader import load
 
     model = load(out, device="cpu", dtype=torch.float32)
     assert torch.isfinite(model(torch.arange(10)[None]).logits).all()
@@ -126,7 +126,7 @@ def test_target_below_reach_is_one_line(tiny_llama: Path, tmp_path: Path) -> Non
 
 def test_search_seed_calib_objective_reproduced_by_convert(tiny_llama: Path, calib_file: Path,
                                                            tmp_path: Path) -> None:
-    from tq_cli.seedsearch import SearchSpec, search
+    from tq_cli.seedsearch.grid import SearchSpec, search
 
     seeds = tmp_path / "seeds.json"
     doc = search(tiny_llama, seeds, SearchSpec(seeds=[0, 1, 2], objective="calib",

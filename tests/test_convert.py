@@ -15,11 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tq_cli.converter import ConvertSpec, convert, partial_path
+from tq_cli.conversion.converter import ConvertSpec, convert, partial_path
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.safetensors_reader import open_source, read_tensor
-from tq_cli.quantizer import dequantize
-from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.quant.grouped import dequantize
+from tq_cli.quant.spec import QuantSpec, RotationSpec
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ import pytest
 import torch
 from conftest import write_safetensors
 
-from tq_cli.converter import ConvertSpec, convert, partial_path
+from tq_cli.conversion.converter import ConvertSpec, convert, partial_path
 from tq_cli.errors import OutputError, TqError, UnsupportedError
 from tq_cli.io.output import output_lock
 from tq_cli.io.safetensors_reader import open_source
 from tq_cli.io.writer import JOURNAL
-from tq_cli.spec import QuantSpec
+from tq_cli.quant.spec import QuantSpec
 
 SPEC = ConvertSpec(quant=QuantSpec(group_size=64))
 
@@ -200,7 +200,7 @@ def test_values_beyond_fp16_are_refused_or_clamped(tmp_path: Path, huge: float) 
     entry = next(t for t in manifest["tensors"] if t["name"] == name)
     assert entry["nonfinite"] == 1 and 0 <= entry["rel_error"] < 1
     from tq_cli.io.checkpoint import Checkpoint
-    from tq_cli.quantizer import dequantize
+    from tq_cli.quant.grouped import dequantize
 
     q = Checkpoint(tmp_path / "o").quantized(name)
     assert torch.isfinite(q.scales.float()).all() and torch.isfinite(q.outlier_val.float()).all()

@@ -19,9 +19,9 @@ import warnings
 import pytest
 import torch
 
-from tq_cli.quantizer import QuantizedTensor, dequantize_rotated, quantize
-from tq_cli.rotation import make_rotation
-from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.quant.grouped import QuantizedTensor, dequantize_rotated, quantize
+from tq_cli.quant.rotation import make_rotation
+from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels import cpu, cpu_build, dispatch, reference
 
 if cpu_build.compiler() is None:

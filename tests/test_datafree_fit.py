@@ -9,12 +9,12 @@ from typer.testing import CliRunner
 from weighted import weighted_errors
 
 from tq_cli.app import app
-from tq_cli.converter import ConvertSpec, convert
+from tq_cli.calibration.random_tokens import random_token_ids, synthetic_calibration, synthetic_plan
+from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.io.calibration import read_calibration
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import open_source
-from tq_cli.selfcal import random_token_ids, synthetic_calibration, synthetic_plan
-from tq_cli.spec import QuantSpec
+from tq_cli.quant.spec import QuantSpec
 
 runner = CliRunner()
 QUANT = QuantSpec(bits=3, group_size=32)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tq_cli import quantizer
 from tq_cli.bench.quality import matrix
-from tq_cli.codebook import initial_codebook, nearest
-from tq_cli.quantizer import dequantize_rotated, outlier_count, quantize_rotated
-from tq_cli.rotation import Rotation, make_rotation
-from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.quant import grouped as quantizer
+from tq_cli.quant.codebook import initial_codebook, nearest
+from tq_cli.quant.grouped import dequantize_rotated, outlier_count, quantize_rotated
+from tq_cli.quant.rotation import Rotation, make_rotation
+from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels import cpu_build, fit
 from tq_kernels.packing import pack_codes
 from tq_kernels.rotation import hadamard_rotate

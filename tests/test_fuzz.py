@@ -27,13 +27,13 @@ from conftest import write_safetensors
 from typer.testing import CliRunner
 
 from tq_cli.app import app
-from tq_cli.converter import ConvertSpec, convert, partial_path
+from tq_cli.conversion.converter import ConvertSpec, convert, partial_path
 from tq_cli.errors import TqError
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.integrity import manifest_digest
 from tq_cli.io.safetensors_reader import open_source
 from tq_cli.io.writer import file_sha256
-from tq_cli.spec import QuantSpec
+from tq_cli.quant.spec import QuantSpec
 
 CASES = 500
 ODD: list[Any] = [None, True, False, 0, -1, 2**64, -(2**63), 1.5, float("inf"), "",
@@ -185,7 +185,7 @@ def test_fuzz_checkpoint_files(checkpoint: Path, tmp_path: Path, target: str) ->
 
 
 def test_fuzz_recipe(tmp_path: Path) -> None:
-    from tq_cli.recipe import builtin_recipes, load_recipe
+    from tq_cli.planning.recipe import builtin_recipes, load_recipe
 
     original = builtin_recipes()["llama"].read_bytes()
     path = tmp_path / "r.toml"
@@ -207,7 +207,7 @@ def test_fuzz_calibration_header(tiny_llama: Path, tmp_path: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from tq_cli.calibrate import CalibSpec, calibrate
+    from tq_cli.calibration.collect import CalibSpec, calibrate
     from tq_cli.io.calibration import META_KEY, read_calibration
 
     good = tmp_path / "good.calib"
@@ -241,8 +241,8 @@ def test_fuzz_calibration_header(tiny_llama: Path, tmp_path: Path) -> None:
 
 def test_fuzz_seeds_file(tiny_llama: Path, tmp_path: Path) -> None:
     from tq_cli.io.seeds import read_seeds
-    from tq_cli.seedsearch import SearchSpec, search
-    from tq_cli.spec import RotationSpec
+    from tq_cli.quant.spec import RotationSpec
+    from tq_cli.seedsearch.grid import SearchSpec, search
 
     good = tmp_path / "seeds.json"
     doc = search(tiny_llama, good, SearchSpec(seeds=[0, 1], finalists=1, device="cpu",

@@ -5,19 +5,19 @@ import random
 import pytest
 import torch
 
-import tq_cli.allocate as alloc
-from tq_cli.allocate import AllocationError, allocate, allocate_bits
+import tq_cli.conversion.allocate as alloc
+from tq_cli.conversion.allocate import AllocationError, allocate, allocate_bits
 from tq_cli.errors import TqError
-from tq_cli.gptq import (
+from tq_cli.quant.gptq import (
     CalibrationUnusableError,
     quantize_calibrated,
     relative_weighted_error,
     rotate_hessian,
     weighted_error,
 )
-from tq_cli.quantizer import dequantize_rotated, quantize_rotated, storage_layout
-from tq_cli.rotation import Rotation, make_rotation
-from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.quant.grouped import dequantize_rotated, quantize_rotated, storage_layout
+from tq_cli.quant.rotation import Rotation, make_rotation
+from tq_cli.quant.spec import QuantSpec, RotationSpec
 
 
 def low_rank_hessian(n: int, rank: int, seed: int) -> torch.Tensor:
@@ -67,7 +67,7 @@ def test_rotate_hessian_keeps_weighted_error(kind: str, n: int) -> None:
 
 
 def test_weighted_error_in_row_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tq_cli.gptq as gptq
+    import tq_cli.quant.gptq as gptq
 
     w, h_rot, _ = setup(n=128)
     w_hat = w + 0.1 * torch.randn(w.shape, generator=torch.Generator().manual_seed(5))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tq_cli  # noqa: F401  (registers the turboquant quantizer with transformers)
-from tq_cli.converter import ConvertSpec, convert
-from tq_cli.spec import QuantSpec, RotationSpec
-from tq_cli.tq_linear import TQLinear
+from tq_cli.conversion.converter import ConvertSpec, convert
+from tq_cli.quant.spec import QuantSpec, RotationSpec
+from tq_cli.runtime.tq_linear import TQLinear
 
 
 @pytest.mark.parametrize("rotation", ["hadamard", "orthogonal"])

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import tq_cli
-from tq_cli.converter import ConvertSpec, convert
+from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.errors import TqError
 from tq_cli.io.integrity import manifest_digest
 from tq_cli.io.writer import file_sha256
-from tq_cli.spec import QuantSpec
+from tq_cli.quant.spec import QuantSpec
 
 INDEX = "model.safetensors.index.json"
 HOW = "the checkpoint was altered or damaged; convert again or re-download it"

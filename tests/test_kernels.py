@@ -9,9 +9,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from tq_cli.quantizer import quantize
-from tq_cli.rotation import make_rotation
-from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.quant.grouped import quantize
+from tq_cli.quant.rotation import make_rotation
+from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels import reference
 
 tk = pytest.importorskip("tq_kernels.triton_kernels")

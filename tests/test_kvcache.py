@@ -12,14 +12,14 @@ import torch
 from typer.testing import CliRunner
 
 from tq_cli.app import app
-from tq_cli.codebook import lloyd_max_gaussian
 from tq_cli.errors import TqError, UnsupportedError
+from tq_cli.evaluation.kv import parse_settings
 from tq_cli.kvcache.cache import TurboQuantCache, fill_from, kv_cache, make_spec, use_kv_cache
 from tq_cli.kvcache.codebook import distortion, sphere_codebook
-from tq_cli.kvcache.evaluate import parse_settings
+from tq_cli.kvcache.codec import StreamCodec
 from tq_cli.kvcache.layers import TurboQuantLayer, TurboQuantSlidingLayer
-from tq_cli.kvcache.quantizer import StreamCodec
 from tq_cli.kvcache.spec import KVSpec, resolve_bits
+from tq_cli.quant.codebook import lloyd_max_gaussian
 from tq_kernels.packing import packed_row_bytes
 
 
@@ -72,7 +72,7 @@ def test_round_trip_error_bound_with_outlier_channels(kind: Any) -> None:
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_byte_table_decode_equals_unpacking(bits: int) -> None:
-    from tq_cli.kvcache.quantizer import MSECodec
+    from tq_cli.kvcache.codec import MSECodec
     from tq_kernels.packing import unpack_codes
 
     codec = MSECodec(64, bits, "hadamard", 0)
@@ -283,7 +283,7 @@ def test_memory_counts_codes_norms_window_and_material() -> None:
 @torch.no_grad()
 def test_default_generate_cache_and_load_kv_bits(tiny_llama: Path, tmp_path: Path) -> None:
     import tq_cli
-    from tq_cli.converter import ConvertSpec, convert
+    from tq_cli.conversion.converter import ConvertSpec, convert
 
     model = use_kv_cache(tiny_llama_model(), KVSpec(key_bits=3, value_bits=3, window=4))
     out = model.generate(IDS, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
@@ -355,7 +355,7 @@ def test_needle_prompt_places_the_key_at_depth() -> None:
     from transformers import AutoTokenizer
 
     from tq_cli.demo_model import smollm2_folder
-    from tq_cli.kvcache.needle import make_case
+    from tq_cli.evaluation.needle import make_case
 
     try:
         tok = AutoTokenizer.from_pretrained(smollm2_folder())
@@ -371,7 +371,7 @@ def test_needle_prompt_places_the_key_at_depth() -> None:
 
 def test_transformers_baseline_bits() -> None:
     pytest.importorskip("optimum.quanto")
-    from tq_cli.kvcache.baselines import hf_cache_bits, hf_quantized_cache
+    from tq_cli.evaluation.kv_baselines import hf_cache_bits, hf_quantized_cache
 
     model = tiny_llama_model(layers=1)
     cache = hf_quantized_cache(model, "quanto", 4, residual_length=8)

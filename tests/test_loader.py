@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import tq_cli
-from tq_cli.converter import ConvertSpec, convert
+from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.errors import TqError
 from tq_cli.io.checkpoint import Checkpoint
-from tq_cli.quantizer import dequantize
-from tq_cli.spec import QuantSpec, RotationSpec
-from tq_cli.tq_linear import TQLinear
+from tq_cli.quant.grouped import dequantize
+from tq_cli.quant.spec import QuantSpec, RotationSpec
+from tq_cli.runtime.tq_linear import TQLinear
 from tq_kernels import cpu as cpu_kernel
 
 

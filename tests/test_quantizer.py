@@ -3,9 +3,9 @@ import itertools
 import pytest
 import torch
 
-from tq_cli.codebook import lloyd_max_gaussian
-from tq_cli.quantizer import dequantize, dequantize_rotated, outlier_count, quantize
-from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.quant.codebook import lloyd_max_gaussian
+from tq_cli.quant.grouped import dequantize, dequantize_rotated, outlier_count, quantize
+from tq_cli.quant.spec import QuantSpec, RotationSpec
 
 # Lloyd-Max MSE for N(0,1) at 2, 3, 4 bits (Max 1960).
 OPTIMUM = {2: 0.1175, 3: 0.03454, 4: 0.009497}

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tq_cli.converter import ConvertSpec, convert
+from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.safetensors_reader import open_source, read_tensor
-from tq_cli.quantizer import dequantize
-from tq_cli.spec import QuantSpec
+from tq_cli.quant.grouped import dequantize
+from tq_cli.quant.spec import QuantSpec
 
 pytestmark = pytest.mark.realmodel
 
@@ -53,8 +53,8 @@ def test_smollm2_beats_round_to_nearest(smol_tq4: Path, smollm2: Path) -> None:
     plain round-to-nearest at the same bits and group size (no rotation, absmax grid)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tq_cli.quantizer import quantize
-    from tq_cli.spec import RotationSpec
+    from tq_cli.quant.grouped import quantize
+    from tq_cli.quant.spec import RotationSpec
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     ids = tok(_sample_text(), return_tensors="pt").input_ids[:, :256]

@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 
 from tq_cli.errors import RecipeError
-from tq_cli.recipe import builtin_recipes, load_recipe, resolve_recipe
-from tq_cli.spec import QuantSpec
+from tq_cli.planning.recipe import builtin_recipes, load_recipe, resolve_recipe
+from tq_cli.quant.spec import QuantSpec
 
 
 def test_builtin_recipes_load() -> None:

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from tq_cli.rotation import make_rotation, verify
-from tq_cli.spec import RotationSpec
+from tq_cli.quant.rotation import make_rotation, verify
+from tq_cli.quant.spec import RotationSpec
 from tq_kernels.rotation import hadamard_blocks, walsh_hadamard
 
 

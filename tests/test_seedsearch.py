@@ -13,12 +13,12 @@ import pytest
 from typer.testing import CliRunner
 
 from tq_cli.app import app
-from tq_cli.converter import ConvertSpec, convert
+from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.errors import TqError
 from tq_cli.io.manifest import read_manifest
-from tq_cli.seedrange import SeedRangeError, parse_seeds
-from tq_cli.seedsearch import SearchSpec, search
-from tq_cli.spec import QuantSpec
+from tq_cli.quant.spec import QuantSpec
+from tq_cli.seedsearch.grid import SearchSpec, search
+from tq_cli.seedsearch.ranges import SeedRangeError, parse_seeds
 
 runner = CliRunner()
 QUANT = QuantSpec(bits=3, group_size=32)

@@ -104,8 +104,8 @@ def _tiny_llama(folder: Path, intermediate: int = 512) -> Path:
 
 def _convert(source: Path, out: Path, recipe: str | None = None, bits: int = 4,
              rotation: str = "hadamard") -> Path:
-    from tq_cli.converter import ConvertSpec, convert
-    from tq_cli.spec import QuantSpec, RotationSpec
+    from tq_cli.conversion.converter import ConvertSpec, convert
+    from tq_cli.quant.spec import QuantSpec, RotationSpec
 
     convert(source, out, ConvertSpec(quant=QuantSpec(bits=bits), recipe=recipe, device="cpu",
                                      rotation=RotationSpec(kind=rotation)))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tq_cli.gptq import relative_weighted_error, rotate_hessian
 from tq_cli.io.calibration import Calibration
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.safetensors_reader import open_source, read_tensor
-from tq_cli.quantizer import dequantize_rotated
+from tq_cli.quant.gptq import relative_weighted_error, rotate_hessian
+from tq_cli.quant.grouped import dequantize_rotated
 
 
 def weighted_errors(folder: Path, calib: Calibration) -> dict[str, float]:

@@ -14,48 +14,41 @@ if it already is), without making `import tq_cli` pay for importing transformers
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from tq_cli._lazy import lazy_face
+from tq_cli.version import __version__
 
-_LAZY = {
-    "convert": "tq_cli.converter",
-    "ConvertSpec": "tq_cli.converter",
-    "quantize": "tq_cli.quantizer",
-    "dequantize": "tq_cli.quantizer",
-    "QuantizedTensor": "tq_cli.quantizer",
-    "QuantSpec": "tq_cli.spec",
-    "RotationSpec": "tq_cli.spec",
-    "TqError": "tq_cli.errors",
-    "load": "tq_cli.loader",
-    "kv_cache": "tq_cli.kvcache.cache",
-    "KVSpec": "tq_cli.kvcache.spec",
-}
+__getattr__ = lazy_face(__name__, {
+    "convert": "conversion.converter",
+    "ConvertSpec": "conversion.spec",
+    "quantize": "quant.grouped",
+    "dequantize": "quant.grouped",
+    "QuantizedTensor": "quant.grouped",
+    "QuantSpec": "quant.spec",
+    "RotationSpec": "quant.spec",
+    "TqError": "errors",
+    "load": "runtime.loader",
+    "kv_cache": "kvcache.cache",
+    "KVSpec": "kvcache.spec",
+})
 
 if TYPE_CHECKING:
-    from tq_cli.converter import ConvertSpec, convert
+    from tq_cli.conversion.converter import convert
+    from tq_cli.conversion.spec import ConvertSpec
     from tq_cli.errors import TqError
     from tq_cli.kvcache.cache import kv_cache
     from tq_cli.kvcache.spec import KVSpec
-    from tq_cli.loader import load
-    from tq_cli.quantizer import QuantizedTensor, dequantize, quantize
-    from tq_cli.spec import QuantSpec, RotationSpec
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy so `import tq_cli` stays cheap and never pulls torch-heavy modules until used.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tq_cli' has no attribute {name!r}")
+    from tq_cli.quant.grouped import QuantizedTensor, dequantize, quantize
+    from tq_cli.quant.spec import QuantSpec, RotationSpec
+    from tq_cli.runtime.loader import load
 
 
 def _register_with_transformers() -> None:
     import importlib
 
     try:
-        importlib.import_module("tq_cli.hf_integration")
+        importlib.import_module("tq_cli.runtime.hf_quantizer")
     except Exception as e:  # an incompatible transformers must not break tq itself
         import warnings
 

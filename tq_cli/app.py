@@ -12,13 +12,13 @@ import sys
 
 import typer
 
-from tq_cli import __version__
 from tq_cli.commands import bench as bench_cmd
 from tq_cli.commands import calibrate as calibrate_cmd
 from tq_cli.commands import convert as convert_cmd
 from tq_cli.commands import eval as eval_cmd
 from tq_cli.commands import search_seed as search_seed_cmd
 from tq_cli.commands._common import one_line, stderr
+from tq_cli.version import __version__
 
 app = typer.Typer(
     name="tq",

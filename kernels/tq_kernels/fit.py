@@ -1,6 +1,6 @@
 """The quantizer's native CPU fit, from Python: typed wrappers over `torch.ops.tq_fit`.
 
-The passes of `tq_cli.quantizer`'s data-free fit (initial scales, assign + least-squares
+The passes of `tq_cli.quant.grouped`'s data-free fit (initial scales, assign + least-squares
 scales + codebook statistics, top-k outliers, final codes packed with their error), each
 one read of the weight (see csrc/fit_cpu.cpp). The library is built on first use
 (`cpu_build`, separately from TQLinear's kernel); if that fails, `available()` is False,

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from tq_cli.bench.metrics import Metric
+from tq_cli.bench.synthetic_llama import write_synthetic_llama
 from tq_cli.errors import TqError
-from tq_cli.synthetic import write_synthetic_llama
 
 QUICK_MODEL = {"hidden": 768, "intermediate": 2048, "layers": 2, "heads": 12, "kv_heads": 4,
                "vocab": 8192}

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from tq_cli.bench.metrics import Metric, geomean, memory_bandwidth_gb_s
-from tq_cli.rotation import make_rotation
-from tq_cli.spec import RotationSpec
+from tq_cli.quant.rotation import make_rotation
+from tq_cli.quant.spec import RotationSpec
 from tq_kernels import cpu, dispatch
 from tq_kernels.packing import packed_row_bytes
 

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tq_cli import __version__
 from tq_cli.errors import TqError, first_error
+from tq_cli.version import __version__
 from tq_kernels import cpu as cpu_kernel
 
 Kind = Literal["quality", "speed", "memory", "info"]  # info: reported, never gated

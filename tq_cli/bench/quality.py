@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from tq_cli.bench.metrics import Metric
-from tq_cli.quantizer import quantize
-from tq_cli.rotation import make_rotation
-from tq_cli.spec import QuantSpec, RotationSpec
+from tq_cli.quant.grouped import quantize
+from tq_cli.quant.rotation import make_rotation
+from tq_cli.quant.spec import QuantSpec, RotationSpec
 
 SHAPE = (512, 1536)
 BITS = (2, 3, 4)

@@ -22,8 +22,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from tq_cli.conversion.flags import BY_FLAG, QUANT_OPTIONS, nest, usage_message
 from tq_cli.errors import TqError
-from tq_cli.options import BY_FLAG, QUANT_OPTIONS, nest, usage_message
 
 stderr = Console(stderr=True)
 stdout = Console()
@@ -76,7 +76,7 @@ def run_library(fn: Callable[[], T]) -> T:
 
 
 def quant_option(flag: str) -> Any:
-    """The typer option for one of the shared quantization flags (tq_cli.options)."""
+    """The typer option for one of the shared quantization flags (tq_cli.conversion.flags)."""
     o = BY_FLAG[flag]
     default = None if flag == "temperature" else o.default  # parsed from text below
     return typer.Option(default, f"--{flag}", help=o.help)

@@ -1,4 +1,4 @@
-"""`tq calibrate`: options -> CalibSpec -> tq_cli.calibrate.calibrate, with progress and a table."""
+"""`tq calibrate`: options -> CalibSpec -> `calibrate`, with progress and a table."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def main(
                                       help="Recipe name (llama, bert, generic) or TOML path."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
 ) -> None:
-    from tq_cli.calibrate import CalibSpec, calibrate
+    from tq_cli.calibration.collect import CalibSpec, calibrate
 
     try:
         spec = CalibSpec(text=str(text) if text is not None else None, samples=samples,

@@ -1,4 +1,4 @@
-"""`tq convert`: options -> ConvertSpec -> tq_cli.converter.convert, with progress and a table."""
+"""`tq convert`: options -> ConvertSpec -> `tq_cli.convert`, with progress and a table."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from tq_cli.commands._common import (
     tensor_progress,
     usage_error,
 )
-from tq_cli.converter import ConvertResult, ConvertSpec, convert
-from tq_cli.pipeline import Finished
-from tq_cli.plan import Plan
+from tq_cli.conversion.converter import ConvertResult, ConvertSpec, convert
+from tq_cli.conversion.pipeline import Finished
+from tq_cli.planning.plan import Plan
 
 HELP = "Convert a model folder (or hub id) into a TurboQuant checkpoint."
 EPILOG = """Examples:
@@ -33,7 +33,7 @@ EPILOG = """Examples:
 
   tq convert org/model -o out --recipe my-recipe.toml --json > summary.json
 """
-# Flags of convert's own fields; the shared quantization flags are named by tq_cli.options.
+# Flags of convert's own fields; the shared quantization flags are named by tq_cli.conversion.flags.
 FLAGS = {
     "device": "--device", "max_shard_bytes": "--shard-size", "bit_choices": "--bit-choices",
     "target_bits": "--target-bits", "damp": "--damp", "synthetic_calib": "--synthetic-calib",

@@ -96,8 +96,8 @@ def main(
     needle_seeds: int = typer.Option(2, "--needle-seeds", help="Passkeys per length and "
                                      "depth (5 depths)."),
 ) -> None:
-    from tq_cli.evaluate import EvalSpec
-    from tq_cli.text import read_text
+    from tq_cli.evaluation.compare import EvalSpec
+    from tq_cli.io.text import read_text
 
     if device not in ("auto", "cpu", "cuda"):
         stderr.print(f"[bold red]usage error:[/] --device: '{device}' is not auto, cpu or cuda")
@@ -118,8 +118,8 @@ def main(
         bound_heap_growth()  # a sweep converts one checkpoint after another
         _sweep(candidate, sweep, rtn, body, spec, scratch, as_json)
         return
-    from tq_cli.evaluate import evaluate
-    from tq_cli.evaluate import write_card as record
+    from tq_cli.evaluation.compare import evaluate
+    from tq_cli.evaluation.compare import write_card as record
 
     with _progress() as bar:
         task = bar.add_task("windows", total=None)
@@ -163,7 +163,7 @@ def result_table(r: dict[str, Any]) -> Table:
 
 def _sweep(source: str, grid: str, rtn: bool, text: Any, spec: Any, scratch: Path | None,
            as_json: bool) -> None:
-    from tq_cli.sweep import parse_sweep, run_sweep, with_rtn
+    from tq_cli.evaluation.sweep import parse_sweep, run_sweep, with_rtn
 
     combos = run_library(lambda: parse_sweep(grid))
     if rtn:
@@ -215,8 +215,8 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def _kv(candidate: str, body: Any, spec: Any, items: str, window: int, split: str,
         options: dict[str, Any], chunk: int, compare: str, needle: bool, lengths: str,
         seeds: int, as_json: bool) -> None:
-    from tq_cli.kvcache.evaluate import KVEvalSpec, evaluate_kv, parse_settings
-    from tq_cli.kvcache.needle import NeedleSpec
+    from tq_cli.evaluation.kv import KVEvalSpec, evaluate_kv, parse_settings
+    from tq_cli.evaluation.needle import NeedleSpec
 
     if split not in ("kv", "outlier"):
         stderr.print(f"[bold red]usage error:[/] --kv-split: '{split}' is not kv or outlier")

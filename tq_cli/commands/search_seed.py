@@ -62,9 +62,9 @@ def main(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
-    from tq_cli.distributed import run_local, torchrun_comm
-    from tq_cli.seedrange import parse_seeds
-    from tq_cli.seedsearch import SearchSpec, search
+    from tq_cli.seedsearch.distributed import run_local, torchrun_comm
+    from tq_cli.seedsearch.grid import SearchSpec, search
+    from tq_cli.seedsearch.ranges import parse_seeds
 
     seed_list = run_library(lambda: parse_seeds(seeds))
     try:

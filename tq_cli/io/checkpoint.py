@@ -18,9 +18,9 @@ from tq_cli.errors import CorruptFileError, TqError
 from tq_cli.io.integrity import verify_checkpoint, verify_shard_checksums
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME
-from tq_cli.quantizer import QuantizedTensor
-from tq_cli.rotation import ROTATION_PREFIX, Rotation, rotation_from_tensors, verify
-from tq_cli.spec import QuantSpec
+from tq_cli.quant.grouped import QuantizedTensor
+from tq_cli.quant.rotation import ROTATION_PREFIX, Rotation, rotation_from_tensors, verify
+from tq_cli.quant.spec import QuantSpec
 
 
 class Checkpoint:

@@ -32,9 +32,9 @@ from tq_cli.errors import CorruptFileError, first_error
 from tq_cli.io.manifest import MANIFEST, QUANT_METHOD, loads_strict
 from tq_cli.io.safetensors_reader import DTYPES, INDEX_NAME, read_header
 from tq_cli.io.writer import file_sha256
-from tq_cli.quantizer import storage_layout
-from tq_cli.rotation import ROTATION_PREFIX, material_layout, rotation_id
-from tq_cli.spec import MAX_SEED, QuantSpec
+from tq_cli.quant.grouped import storage_layout
+from tq_cli.quant.rotation import ROTATION_PREFIX, material_layout, rotation_id
+from tq_cli.quant.spec import MAX_SEED, QuantSpec
 
 HOW = "the checkpoint was altered or damaged; convert again or re-download it"
 

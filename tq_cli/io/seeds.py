@@ -1,6 +1,6 @@
 """The SEEDS file of `tq search-seed`, read for `tq convert --seeds`.
 
-`tq_cli.seedsearch` writes it; this module validates it with a schema (every field
+`tq_cli.seedsearch.grid` writes it; this module validates it with a schema (every field
 the reader uses, seeds as whole numbers a rotation accepts) and checks it against the
 source model and rotation, so a damaged or foreign file is a one-line error.
 """
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from tq_cli.errors import SeedSearchError, first_error
 from tq_cli.io.safetensors_reader import SourceModel
-from tq_cli.spec import MAX_SEED, RotationSpec
+from tq_cli.quant.spec import MAX_SEED, RotationSpec
 
 SEEDS_FORMAT = 1
 

@@ -9,7 +9,7 @@ cell, so the levels are exact for the given d and bit width (no sampling). The
 distortion of a whole unit vector is d times the per-coordinate MSE: about 0.36, 0.117,
 0.03 and 0.009 for 1-4 bits (the paper's Theorem 1 table).
 
-Used by `tq_cli.kvcache.quantizer`; cached per (d, bits).
+Used by `tq_cli.kvcache.codec`; cached per (d, bits).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from tq_cli.codebook import lloyd_max_gaussian
+from tq_cli.quant.codebook import lloyd_max_gaussian
 
 _NODES, _WEIGHTS = np.polynomial.legendre.leggauss(96)
 

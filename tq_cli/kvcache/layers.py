@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import BaseQuantizedLayer, DynamicSlidingWindowLayer
 
-from tq_cli.kvcache.quantizer import Encoded, StreamCodec
+from tq_cli.kvcache.codec import Encoded, StreamCodec
 from tq_cli.kvcache.rope import RotaryAngles
 from tq_cli.kvcache.spec import KVSpec
 from tq_cli.kvcache.store import TokenStore

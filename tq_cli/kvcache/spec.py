@@ -1,5 +1,5 @@
 """What a TurboQuant KV cache stores: bits for keys and values, the full-precision window
-and the layers left alone. Frozen and validated, like the weight specs in `tq_cli.spec`.
+and the layers left alone. Frozen and validated, like the weight specs in `tq_cli.quant.spec`.
 
 Fractional bits: a stream (keys or values) at b = n + f bits stores a fixed set of
 round(f * head_dim) channels at n + 1 bits and the rest at n bits (the paper's outlier
@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tq_cli.spec import MAX_SEED
+from tq_cli.quant.spec import MAX_SEED
 
 KVRotation = Literal["hadamard", "orthogonal"]
 SlidingMode = Literal["full", "quantize"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tq_cli.kvcache.quantizer import Encoded
+from tq_cli.kvcache.codec import Encoded
 
 STEP = 256
 

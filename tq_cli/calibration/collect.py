@@ -1,0 +1,245 @@
+"""Calibration: per-layer input second moments H = E[x x^T] from running the model on text.
+
+The original model runs one transformer block at a time, GPTQ-style (Frantar et al.
+2022, arXiv:2210.17323, sec. 5 "sequential" processing with a "catcher" on block 0):
+the skeleton is built from config.json on the meta device (buffers such as rotary
+frequencies real), only the embeddings are read from the shards, the arguments block 0
+receives are caught, and then each block is materialised from the shards, runs every
+calibration sequence, hands its outputs on as the next block's inputs, and goes back
+to meta. Memory is one block plus the activations of the calibration set.
+
+Each converted linear layer's input feeds a float64 accumulator (per-batch x^T x in
+float32, added in float64); layers that read the same input (the recipe's
+`input_groups`: q/k/v, gate/up) share one. The result is ONE safetensors file:
+`hessian.<group>` (float32 mean E[x x^T]) and `tokens.<group>` (int64 count), and
+JSON in the `tq_calibration` metadata key (docs/format.md). `tq convert --calib` and
+`tq search-seed --objective calib` read it back with `read_calibration`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from tq_cli.calibration.hessian import InputGroup, PlacedLayers, add_hooks, place_layers
+from tq_cli.calibration.skeleton import (
+    BlockWeights,
+    build_skeleton,
+    candidates,
+    catch_block_inputs,
+    find_blocks,
+    hidden_of,
+    with_hidden,
+)
+from tq_cli.device import Device, resolve_device
+from tq_cli.errors import SourceError, TqError, UnsupportedError
+from tq_cli.io.calibration import (
+    Calibration,
+    CalibrationMismatchError,
+    CalibrationWriter,
+    check_out,
+    read_calibration,
+)
+from tq_cli.io.safetensors_reader import SourceModel, open_source
+from tq_cli.io.text import Text
+from tq_cli.version import __version__
+
+__all__ = ["CalibResult", "CalibSpec", "Calibration", "CalibrationMismatchError", "calibrate",
+           "read_calibration", "token_sequences"]
+Progress = Callable[[int, int], None]
+Warn = Callable[[str], None]
+
+
+class CalibSpec(BaseModel):
+    """What `calibrate` runs: the text (None: the embedded calibration split) and its cut."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    text: str | None = None
+    samples: int = Field(128, ge=1, description="sequences of `seqlen` tokens")
+    seqlen: int = Field(512, ge=2, description="tokens per sequence")
+    device: Device = "auto"
+    recipe: str | None = None
+    batch_size: int = Field(8, ge=1, description="sequences per forward call")
+
+
+@dataclass
+class CalibResult:
+    out: Path
+    source: Path
+    calibrated: int  # converted tensors with an H
+    groups: int
+    samples: int
+    seqlen: int
+    tokens: int
+    seconds: float
+    file_bytes: int
+    device: str
+    text: str
+    uncalibrated: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {"out": str(self.out), "source": str(self.source), "layers": self.calibrated,
+                "groups": self.groups, "samples": self.samples, "seqlen": self.seqlen,
+                "tokens": self.tokens, "seconds": round(self.seconds, 2),
+                "file_bytes": self.file_bytes, "device": self.device, "text": self.text,
+                "uncalibrated": self.uncalibrated, "warnings": self.warnings}
+
+
+# ---------------------------------------------------------------- text -> sequences
+
+
+def token_sequences(tokenizer: Any, text: Text, samples: int, seqlen: int,
+                    warn: Warn | None = None) -> torch.Tensor:
+    """The text tokenised once, cut into up to `samples` consecutive rows of `seqlen`."""
+    ids = torch.tensor(tokenizer(text.text, verbose=False)["input_ids"], dtype=torch.long)
+    fit = ids.numel() // seqlen
+    if fit == 0:
+        raise TqError(f"{text.source}: only {ids.numel()} tokens, fewer than one sequence of "
+                      f"--seqlen {seqlen}; pass a longer --text or a smaller --seqlen")
+    if fit < samples and warn is not None:
+        warn(f"{text.source}: {ids.numel()} tokens make only {fit} sequences of {seqlen} "
+             f"(asked for {samples}); calibrating on {fit * seqlen} tokens. Pass a longer "
+             "--text for more")
+    n = min(fit, samples)
+    return ids[: n * seqlen].reshape(n, seqlen)
+
+
+def calibrate(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: CalibSpec,
+              progress: Progress | None = None, warn: Warn | None = None) -> CalibResult:
+    """Run SOURCE on calibration text block by block and write H per input group to OUT."""
+    from tq_cli.io.source import resolve_source
+    from tq_cli.io.text import calibration_text, read_text
+    from tq_cli.planning.plan import make_plan
+    from tq_cli.planning.recipe import resolve_recipe
+    from tq_cli.quant.spec import QuantSpec, RotationSpec
+    from tq_cli.runtime.loader import load_tokenizer
+
+    t0 = time.perf_counter()
+    warnings: list[str] = []
+
+    def note(msg: str) -> None:
+        warnings.append(msg)
+        if warn is not None:
+            warn(msg)
+
+    folder = resolve_source(source)
+    src = open_source(folder)
+    if src.config is None:
+        raise SourceError(f"{folder}: no config.json; tq calibrate needs it to build the model")
+    out_path = Path(out).expanduser()
+    check_out(out_path, src)
+    recipe = resolve_recipe(spec.recipe, src.config)
+    # The same plan convert makes (rotation settings do not change which tensors convert).
+    names = [t.info.name for t in make_plan(src, recipe, QuantSpec(),
+                                            RotationSpec(kind="none")).converted]
+    if not names:
+        raise TqError(f"{folder}: no tensor matches a quantize rule of recipe '{recipe.name}'; "
+                      "pass --recipe with one that fits this model")
+    device = resolve_device(spec.device)
+    text = calibration_text() if spec.text is None else read_text(spec.text)
+    model = build_skeleton(folder, src.config)
+    hf_config: Any = model.config
+    cfg = hf_config.get_text_config()
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(max_pos, int) and spec.seqlen > max_pos:
+        raise UnsupportedError(f"--seqlen {spec.seqlen} is longer than the model's "
+                               f"max_position_embeddings ({max_pos}); pass --seqlen {max_pos} "
+                               "or less")
+    seqs = token_sequences(load_tokenizer(folder), text, spec.samples,
+                           spec.seqlen, note)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    modules = dict(model.named_modules())
+    wanted = {c for n in names for c in candidates(n.removesuffix(".weight"), prefix)}
+    bpath, blocks = find_blocks(model, cfg.num_hidden_layers, wanted)
+    layers = place_layers(model, names, recipe, prefix, bpath, len(blocks))
+    if layers.uncalibrated:
+        reasons = "; ".join(sorted(set(layers.uncalibrated.values())))
+        note(f"{len(layers.uncalibrated)} converted tensors get no calibration "
+             f"({', '.join(sorted(layers.uncalibrated)[:3])}): {reasons}; "
+             "tq convert --calib quantizes them data-free")
+    groups = layers.all()
+    meta = {
+        "format": "tq-calibration", "tq_version": __version__,
+        "statistic": "hessian.<group> = mean over tokens of x x^T (float32); "
+                     "sum = mean * tokens.<group>",
+        "accumulation": "float64 sum of per-batch float32 x^T x",
+        "source": {"fingerprint": src.fingerprint, "name": folder.name, "path": str(folder)},
+        "text": {"source": text.source, "sha256": text.sha256},
+        "samples": int(seqs.shape[0]), "samples_requested": spec.samples,
+        "seqlen": spec.seqlen, "tokens": int(seqs.numel()), "batch_size": spec.batch_size,
+        "device": str(device), "compute_dtype": "float32", "recipe": recipe.name,
+        "tensors": {t: g.key for g in groups for t in g.members.values()},
+        "groups": {g.key: list(g.members.values()) for g in groups},
+        "uncalibrated": layers.uncalibrated,
+    }
+    with CalibrationWriter(out_path, {g.key: g.n for g in groups}, meta) as writer:
+        def flush(g: InputGroup) -> None:
+            g.check(recipe)
+            h = g.h if g.h is not None else torch.zeros(g.n, g.n, dtype=torch.float64)
+            writer.write(g.key, h, g.tokens)
+            g.h = g.last = None
+            if g.tokens == 0:
+                note(f"{', '.join(g.members.values())}: saw no calibration tokens")
+
+        _run(model, src, prefix, bpath, blocks, layers, modules, seqs, spec.batch_size, device,
+             flush, progress)
+    return CalibResult(out_path, folder, sum(len(g.members) for g in groups), len(groups),
+                       int(seqs.shape[0]), spec.seqlen, int(seqs.numel()),
+                       time.perf_counter() - t0, writer.size, str(device), text.source,
+                       sorted(layers.uncalibrated), warnings)
+
+
+@torch.no_grad()
+def _run(model: nn.Module, src: SourceModel, prefix: str, bpath: str, blocks: nn.ModuleList,
+         layers: PlacedLayers, modules: dict[str, nn.Module], seqs: torch.Tensor, batch: int,
+         device: torch.device, flush: Callable[[InputGroup], None],
+         progress: Progress | None) -> None:
+    """Catch block 0's inputs, then run, accumulate and release one block at a time."""
+    weights = BlockWeights(src, prefix, device)
+    # The base model's weights outside the blocks: embeddings, and the (small) final norm.
+    base: nn.Module = getattr(model, "base_model", model)
+    base_path = next(n for n, m in modules.items() if m is base)
+    weights.load(base, base_path, skip=bpath)
+    inputs = catch_block_inputs(model, blocks[0], seqs, batch, device)
+    weights.release(base, keep=layers.tail_norm)
+    total = len(blocks) + (1 if layers.tail else 0)
+    for i, block in enumerate(blocks):
+        weights.load(block, f"{bpath}.{i}")
+        handles = add_hooks(layers.blocks[i], modules)
+        try:
+            for j, (args, kwargs) in enumerate(inputs):
+                for g in layers.blocks[i]:
+                    g.last = None  # a new batch: nothing is shared with the previous one
+                y = block(*args, **kwargs)
+                inputs[j] = with_hidden(args, kwargs, y[0] if isinstance(y, tuple | list) else y)
+        finally:
+            for h in handles:
+                h.remove()
+        weights.release(block)
+        for g in layers.blocks[i]:
+            flush(g)
+        if progress is not None:
+            progress(i + 1, total)
+    if layers.tail and layers.tail_norm is not None:
+        for args, kwargs in inputs:
+            normed = layers.tail_norm(hidden_of(args, kwargs))
+            for g in layers.tail:
+                g.last = None
+                for path in g.members:
+                    g.add(path, normed)
+        for g in layers.tail:
+            flush(g)
+        if progress is not None:
+            progress(total, total)
+    if layers.tail_norm is not None:
+        weights.release(layers.tail_norm)

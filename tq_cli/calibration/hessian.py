@@ -1,0 +1,130 @@
+"""Accumulating H = E[x x^T] per converted layer input during `tq calibrate`.
+
+Each converted linear layer's input feeds a float64 accumulator (per-batch x^T x in
+float32, added in float64) through a forward pre-hook; layers that read the same input
+(the recipe's `input_groups`: q/k/v, gate/up) share one `InputGroup`. `place_layers`
+maps tensor names to modules and sorts the groups by block; a head that reads the
+final norm of the last block (lm_head) is the tail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tq_cli.calibration.skeleton import candidates
+from tq_cli.errors import UnsupportedError
+from tq_cli.planning.recipe import Recipe
+
+
+class InputGroup:
+    """One H = sum x x^T, shared by the modules that read the same input."""
+
+    def __init__(self, key: str, members: dict[str, str], n: int) -> None:
+        self.key, self.members, self.n = key, members, n  # members: module path -> tensor
+        self.h: torch.Tensor | None = None
+        self.tokens = 0
+        self.seen = dict.fromkeys(members, 0)
+        self.last: torch.Tensor | None = None
+
+    def add(self, member: str, x: torch.Tensor) -> None:
+        rows = x.numel() // self.n
+        self.seen[member] += rows
+        last = self.last
+        if last is not None and (last is x or (last.shape == x.shape and torch.equal(last, x))):
+            return  # a sibling already counted this very input
+        self.last = x
+        x2 = x.detach().reshape(rows, self.n).float()
+        if self.h is None:
+            self.h = torch.zeros(self.n, self.n, dtype=torch.float64, device=x.device)
+        # float32 product per batch (BLAS speed), float64 accumulation across batches.
+        self.h += (x2.T @ x2).double()
+        self.tokens += rows
+
+    def check(self, recipe: Recipe) -> None:
+        if any(v != self.tokens for v in self.seen.values()):
+            raise UnsupportedError(
+                f"recipe '{recipe.name}': input_groups puts {', '.join(self.members)} together, "
+                f"but they read different inputs ({self.seen}); fix input_groups")
+
+
+def group_key(module: str, converted: set[str], recipe: Recipe) -> tuple[str, list[str]]:
+    parent, _, leaf = module.rpartition(".")
+    for grp in recipe.input_groups:
+        if leaf in grp:
+            sibs = [m for m in grp if (f"{parent}.{m}" if parent else m) in converted]
+            return (f"{parent}.{'+'.join(sibs)}" if parent else "+".join(sibs)), sibs
+    return module, [leaf]
+
+
+@dataclass
+class PlacedLayers:
+    """Converted tensors placed in the model: groups per block, the tail, the rest."""
+
+    blocks: list[list[InputGroup]]
+    tail: list[InputGroup]
+    tail_norm: nn.Module | None
+    uncalibrated: dict[str, str]  # tensor -> reason
+
+    def all(self) -> list[InputGroup]:
+        return [g for gs in self.blocks for g in gs] + self.tail
+
+
+def place_layers(model: nn.Module, names: list[str], recipe: Recipe, prefix: str,
+                 bpath: str, n_blocks: int) -> PlacedLayers:
+    """Map converted tensor names to modules and group them by block and shared input."""
+    modules = dict(model.named_modules())
+    found: dict[str, str] = {}  # module path -> tensor name
+    out = PlacedLayers([[] for _ in range(n_blocks)], [], None, {})
+    for name in names:
+        base = name.removesuffix(".weight")
+        path = next((c for c in candidates(base, prefix) if c in modules), None)
+        if not name.endswith(".weight") or path is None:
+            out.uncalibrated[name] = "no module of that name in the model"
+        elif not isinstance(modules[path], nn.Linear):
+            out.uncalibrated[name] = f"{type(modules[path]).__name__} is not nn.Linear"
+        else:
+            found[path] = name
+    parent_path = bpath.rpartition(".")[0]
+    parent = modules[parent_path] if parent_path else model
+    kids = list(parent.named_children())
+    after = [m for n, m in kids[[n for n, _ in kids].index(bpath.rpartition(".")[2]) + 1:]
+             if any(True for _ in m.parameters())]
+    if len(after) == 1 and "norm" in type(after[0]).__name__.lower():
+        out.tail_norm = after[0]
+    groups: dict[str, InputGroup] = {}
+    for path in found:
+        key, sibs = group_key(path, set(found), recipe)
+        if key in groups:
+            continue
+        parent_of = path.rpartition(".")[0]
+        members = {m: found[m] for m in (f"{parent_of}.{s}" if parent_of else s for s in sibs)}
+        widths = {int(modules[m].in_features) for m in members}
+        if len(widths) != 1:
+            raise UnsupportedError(f"recipe '{recipe.name}': input_groups puts {list(members)} "
+                                   "together but their input widths differ; fix input_groups")
+        g = groups[key] = InputGroup(key, members, widths.pop())
+        if path.startswith(bpath + "."):
+            out.blocks[int(path[len(bpath) + 1:].split(".")[0])].append(g)
+        elif "." in path:  # inside the base model, or deep in a head: inputs unknown
+            for m in members.values():
+                out.uncalibrated[m] = "outside the blocks and not a head on the final norm"
+        elif out.tail_norm is None:
+            for m in members.values():
+                out.uncalibrated[m] = "no final norm after the blocks was recognised"
+        else:  # a head such as lm_head reads norm(last block's output)
+            out.tail.append(g)
+    return out
+
+
+def add_hooks(groups: list[InputGroup], modules: dict[str, nn.Module]) -> list[Any]:
+    handles = []
+    for g in groups:
+        for path in g.members:
+            def pre(_mod: nn.Module, args: tuple, g: InputGroup = g, path: str = path) -> None:
+                g.add(path, args[0])
+            handles.append(modules[path].register_forward_pre_hook(pre))
+    return handles

@@ -1,0 +1,94 @@
+"""Data-free calibration from random tokens (`tq convert --synthetic-calib TOKENS`).
+
+No text is read: token ids are drawn uniformly from the tokenizer's vocabulary (special
+tokens left out) with the conversion's rotation seed, decoded to a text, and that text
+is run through the original model by `tq_cli.calibration.collect` exactly as a `--text` file
+would be. The resulting per-layer Hessians E[x x^T] then drive the same GPTQ path as
+`--calib`. What the model sees is nonsense, but its own embeddings, norms and attention
+still shape the activations: the outlier channels and the correlations between input
+columns that a weight-only fit cannot know come out of the model itself (the idea of
+ZeroQ's "distilled data", Cai et al. 2020, arXiv:2001.00281, and of LLM-QAT's
+model-generated data, Liu et al. 2023, arXiv:2305.17888, here in its cheapest form).
+
+Pure apart from the temporary calibration file, which lives in a folder the caller owns.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tq_cli.io.text import Text
+
+DEFAULT_SEQLEN = 512
+# Decoding random ids and tokenising the text again does not give the same count back;
+# drawing this much more keeps enough tokens for the sequences asked for.
+OVERDRAW = 1.5
+
+
+@dataclass(frozen=True)
+class SyntheticPlan:
+    """How many sequences of how many tokens a random-token calibration uses."""
+
+    samples: int
+    seqlen: int
+
+    @property
+    def tokens(self) -> int:
+        return self.samples * self.seqlen
+
+
+def synthetic_plan(tokens: int, config: dict[str, Any] | None) -> SyntheticPlan:
+    """Sequences of min(512, max_position_embeddings) tokens covering at least `tokens`."""
+    if tokens < 2:
+        raise ValueError(f"synthetic calibration needs at least 2 tokens, got {tokens}")
+    cfg = config or {}
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    max_pos = text_cfg.get("max_position_embeddings") if text_cfg else None
+    seqlen = DEFAULT_SEQLEN
+    if isinstance(max_pos, int) and max_pos >= 2:
+        seqlen = min(seqlen, max_pos)
+    seqlen = min(seqlen, tokens)
+    return SyntheticPlan(samples=math.ceil(tokens / seqlen), seqlen=seqlen)
+
+
+def random_token_ids(vocab_size: int, special: set[int], count: int, seed: int) -> list[int]:
+    """`count` ids drawn uniformly from [0, vocab_size) minus `special`, reproducibly."""
+    allowed = [i for i in range(vocab_size) if i not in special]
+    if not allowed:
+        raise ValueError("the tokenizer has no ordinary tokens to draw from")
+    rng = random.Random(seed)
+    return [allowed[rng.randrange(len(allowed))] for _ in range(count)]
+
+
+def random_text(tokenizer: Any, tokens: int, seed: int) -> Text:
+    """A text of random vocabulary tokens, long enough for `tokens` tokens once tokenised."""
+    special = {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
+    ids = random_token_ids(int(tokenizer.vocab_size), special,
+                           math.ceil(tokens * OVERDRAW) + 64, seed)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return Text(text, f"random tokens (seed {seed}, {len(ids)} ids)")
+
+
+def synthetic_calibration(source: Path, config: dict[str, Any] | None, tokens: int, seed: int,
+                          folder: Path, device: str, recipe: str | None) -> tuple[Path, dict]:
+    """Write a random-token calibration file for `source` under `folder`; returns its path
+    and the record the manifest keeps (what was drawn, how much, the text's sha256)."""
+    from tq_cli.calibration.collect import CalibSpec, calibrate
+    from tq_cli.runtime.loader import load_tokenizer
+
+    plan = synthetic_plan(tokens, config)
+    text = random_text(load_tokenizer(source), plan.tokens, seed)
+    text_path = folder / "synthetic.txt"
+    text_path.write_text(text.text, encoding="utf-8")
+    out = folder / "synthetic.calib"
+    res = calibrate(source, out, CalibSpec(text=str(text_path), samples=plan.samples,
+                                           seqlen=plan.seqlen, device=device,
+                                           recipe=recipe))
+    record = {"synthetic": "random-tokens", "seed": seed, "tokens_requested": tokens,
+              "samples": res.samples, "seqlen": res.seqlen, "tokens": res.tokens,
+              "text_sha256": text.sha256}
+    return out, record

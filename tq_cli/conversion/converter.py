@@ -1,0 +1,246 @@
+"""`convert`: a model folder in, a format-v1 TurboQuant checkpoint out.
+
+Orchestrates the reader, the plan, the streaming pipeline and the writer (the data
+flow of docs/design.md). The output folder's life (partial folder, resume, swap) is
+`tq_cli.io.output`; the manifest, index, config and card are written by
+`tq_cli.conversion.finish`; the spec and result types are `tq_cli.conversion.spec`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tq_cli.conversion.finish import finish
+from tq_cli.conversion.pipeline import Finished, stream
+from tq_cli.conversion.spec import ConvertResult, ConvertSpec
+from tq_cli.device import resolve_device
+from tq_cli.errors import OutputError, TqError, UnsupportedError
+from tq_cli.io.manifest import write_json
+from tq_cli.io.output import (
+    PLAN_FILE,
+    check_output,
+    output_lock,
+    partial_path,
+    read_plan_hash,
+    verified,
+)
+from tq_cli.io.safetensors_reader import SourceModel, open_source, source_sha256
+from tq_cli.io.source import resolve_source
+from tq_cli.io.writer import Journal, ShardWriter
+from tq_cli.planning.plan import Plan, make_plan
+from tq_cli.planning.recipe import resolve_recipe
+from tq_cli.quant.choose import CalibOptions
+from tq_cli.quant.rotation import ROTATION_PREFIX, Rotation, make_rotation
+from tq_cli.version import __version__
+
+__all__ = ["ConvertResult", "ConvertSpec", "convert", "partial_path"]
+GUARD = "tq.guard"  # the guard's journal entry (tq_cli.planning.plan.Plan.guard)
+
+
+ProgressFn = Callable[[Finished, int], None]
+
+
+def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
+            spec: ConvertSpec | None = None, *,
+            on_plan: Callable[[Plan], None] | None = None,
+            progress: ProgressFn | None = None,
+            log: Callable[[str], None] | None = None) -> ConvertResult:
+    """Convert SOURCE (folder or hub id) into a TurboQuant checkpoint at OUT."""
+    spec = spec or ConvertSpec()
+    out = Path(out).expanduser()
+    with output_lock(out), contextlib.ExitStack() as scratch:
+        return _convert(source, out, spec, on_plan, progress, log, scratch)
+
+
+def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
+             on_plan: Callable[[Plan], None] | None, progress: ProgressFn | None,
+             log: Callable[[str], None] | None,
+             scratch: contextlib.ExitStack) -> ConvertResult:
+    t0 = time.perf_counter()
+    warnings: list[str] = []
+
+    def warn(msg: str) -> None:
+        warnings.append(msg)
+        if log:
+            log(msg)
+
+    folder = resolve_source(source)
+    model = open_source(folder)
+    check_output(out, folder, spec.overwrite)
+    recipe = resolve_recipe(spec.recipe, model.config)
+    seeds, seeds_record = spec.seeds, None
+    if spec.seeds_file is not None:
+        from tq_cli.io.seeds import read_seeds
+
+        seeds, seeds_record = read_seeds(spec.seeds_file, model, spec.rotation)
+    plan = make_plan(model, recipe, spec.quant, spec.rotation, seeds, spec.max_shard_bytes)
+    if not plan.converted:
+        raise UnsupportedError(
+            f"{folder}: no tensor matches a quantize rule of recipe '{recipe.name}'; "
+            "pass --recipe with one that fits this model")
+    device = resolve_device(spec.device)
+    calib, synthetic = _calibration(spec, model, scratch, log)
+    provenance: dict[str, Any] = {"seeds": seeds_record} if seeds_record else {}
+    if synthetic is not None:
+        provenance["calibration"] = synthetic | {"damp": spec.damp, "act_order": spec.act_order}
+    elif calib is not None:
+        provenance["calibration"] = {
+            "file": calib.calibration.path.name, "sha256": calib.calibration.sha256,
+            "damp": spec.damp, "act_order": spec.act_order,
+            "samples": calib.calibration.meta.get("samples"),
+            "seqlen": calib.calibration.meta.get("seqlen"),
+            "tokens": calib.calibration.meta.get("tokens")}
+    if spec.target_bits is not None:
+        from tq_cli.conversion.mixed_precision import choose_bits
+
+        if log:
+            log(f"--target-bits {spec.target_bits:g}: measuring every tensor at "
+                f"{', '.join(map(str, spec.bit_choices))} bits first")
+        mixed = choose_bits(plan, spec.target_bits, spec.bit_choices, device, calib)
+        plan = make_plan(model, recipe, spec.quant, spec.rotation, seeds, spec.max_shard_bytes,
+                         bits=mixed.bits)
+        provenance["mixed_precision"] = mixed.record
+    plan.extra = {k: v for k, v in provenance.items() if k != "seeds"}
+    if on_plan:
+        on_plan(plan)
+
+    partial = partial_path(out)
+    plan_hash = plan.hash()
+    done: dict[str, dict] = {}
+    fresh = True
+    if partial.exists():
+        if spec.resume:
+            old = read_plan_hash(partial)
+            if old != plan_hash:
+                raise OutputError(
+                    f"{partial}: an unfinished conversion made with other settings or another "
+                    "source; rerun without --resume to start over")
+            fresh = False
+        else:
+            warn(f"removing an unfinished conversion at {partial} (pass --resume to continue it)")
+            shutil.rmtree(partial)
+    elif spec.resume:
+        warn(f"nothing to resume at {partial}; starting from the beginning")
+    if fresh:
+        try:
+            partial.mkdir(parents=True)
+        except OSError as e:
+            raise OutputError(f"{partial}: cannot create the output folder ({e.strerror}); "
+                              "choose another OUT") from e
+        write_json(partial / PLAN_FILE, {"plan_hash": plan_hash, "tq_version": __version__})
+
+    writer = ShardWriter(partial, plan.layout)
+    journal = Journal(partial)
+    try:
+        writer.open(create=True)  # on resume: headers and sizes rewritten, data kept
+    except OSError as e:
+        raise OutputError(f"{e.filename or partial}: cannot write ({e.strerror})") from e
+    try:
+        try:
+            if not fresh:
+                done = _unchanged_inputs(verified(journal, writer), model, partial)
+                journal.rewrite(list(done.values()))  # drop unverified and cut lines
+            rotations = _write_rotations(plan, writer, journal, done)
+            todo = [t for t in plan.tensors if t.info.name not in done]
+            for fin in stream(todo, writer, rotations, device, spec.allow_nonfinite, warn,
+                              calib):
+                entry = {"tensor": fin.plan.info.name, "digests": fin.digests,
+                         "record": fin.record}
+                journal.append(entry)
+                done[fin.plan.info.name] = entry
+                if progress:
+                    progress(fin, fin.plan.info.nbytes)
+        finally:
+            writer.close()
+    except TqError:
+        # The input is at fault (a NaN, a damaged shard): resuming cannot help, so a
+        # partial folder this run started is removed. An OSError (disk full) or an
+        # interrupt keeps it for --resume, and so does a run that was itself resuming.
+        if fresh:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    resumed = sum(1 for t in plan.tensors if t.info.name in done) - len(todo)
+    result = finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
+                     max(resumed, 0), warnings, provenance)
+    return result
+
+
+def _calibration(spec: ConvertSpec, model: SourceModel, scratch: contextlib.ExitStack,
+                 log: Callable[[str], None] | None) -> tuple[CalibOptions | None, dict | None]:
+    """The calibration GPTQ uses, if any, and with --synthetic-calib the record of the
+    random-token calibration made for this run (in a temporary folder `scratch` removes)."""
+    from tq_cli.io.calibration import read_calibration
+
+    if spec.synthetic_calib:
+        from tq_cli.calibration.random_tokens import synthetic_calibration
+
+        folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="tq-synth-")))
+        if log:
+            log(f"--synthetic-calib: running the model on {spec.synthetic_calib} random "
+                "tokens first")
+        path, record = synthetic_calibration(model.folder, model.config, spec.synthetic_calib,
+                                             spec.rotation.seed, folder, spec.device,
+                                             spec.recipe)
+        calibration = read_calibration(path)
+        calibration.check_source(model)
+        return CalibOptions(calibration, spec.damp, spec.act_order), record
+    if spec.calib is None:
+        return None, None
+    calibration = read_calibration(spec.calib)
+    calibration.check_source(model)
+    return CalibOptions(calibration, spec.damp, spec.act_order), None
+
+
+def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
+                     done: dict[str, dict]) -> dict[str, Rotation]:
+    rotations: dict[str, Rotation] = {}
+    for rid, rp in plan.rotations.items():
+        rot = make_rotation(rp.spec, rp.n, rp.block)
+        rotations[rid] = rot
+        name = f"{ROTATION_PREFIX}{rid}"
+        if name in done:
+            continue
+        digests = {key: writer.write(key, t) for key, t in rot.tensors().items()}
+        entry = {"tensor": name, "digests": digests, "record": {"action": "rotation"}}
+        journal.append(entry)
+        done[name] = entry
+    if plan.guard is not None and GUARD not in done:
+        digests = {plan.guard: writer.write(plan.guard, torch.zeros(0, dtype=torch.uint8))}
+        entry = {"tensor": GUARD, "digests": digests, "record": {"action": "rotation"}}
+        journal.append(entry)
+        done[GUARD] = entry
+    return rotations
+
+
+def _unchanged_inputs(done: dict[str, dict], model: SourceModel,
+                      partial: Path) -> dict[str, dict]:
+    """Finished tensors whose source bytes are still those they were converted from.
+
+    The plan hash only samples the source, so every finished input is hashed again: a
+    source changed in the middle must not resume into a mix of old and new tensors.
+    """
+    kept: dict[str, dict] = {}
+    for name, entry in done.items():
+        record = entry.get("record", {})
+        if record.get("action") == "rotation":
+            kept[name] = entry
+            continue
+        info = model.tensors.get(name)
+        want = record.get("source_sha256")
+        if info is None or want is None:
+            continue  # journaled by an older tq: convert it again
+        if source_sha256(info) != want:
+            raise OutputError(
+                f"{info.file.name}: tensor '{name}' changed since the interrupted conversion "
+                f"at {partial}; rerun without --resume to convert from the start")
+        kept[name] = entry
+    return kept

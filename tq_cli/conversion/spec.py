@@ -1,0 +1,96 @@
+"""What `convert` is asked to do (ConvertSpec) and what it did (ConvertResult)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tq_cli.device import Device
+from tq_cli.quant.spec import QuantSpec, RotationSpec
+
+
+class ConvertSpec(BaseModel):
+    """Everything `convert` needs besides source and destination."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    quant: QuantSpec = Field(default_factory=QuantSpec)
+    rotation: RotationSpec = Field(default_factory=RotationSpec)
+    recipe: str | None = None
+    device: Device = "auto"
+    allow_nonfinite: bool = False
+    overwrite: bool = False
+    resume: bool = False
+    max_shard_bytes: int = Field(2 * 1024**3, ge=1)
+    seeds: dict[str, int] | None = None
+    seeds_file: str | None = Field(None, description="a tq search-seed result: per-tensor "
+                                   "rotation seeds (overrides `seeds`)")
+    calib: str | None = Field(None, description="a tq calibrate file: GPTQ-style error "
+                              "feedback in the rotated space")
+    damp: float = Field(0.01, gt=0.0, le=1.0, description="GPTQ damping, a fraction of the "
+                        "mean diagonal of H")
+    act_order: bool = False
+    synthetic_calib: int = Field(0, ge=0, le=1 << 20, description="data-free calibration: "
+                                 "tokens of random vocabulary run through the model for "
+                                 "GPTQ-style error feedback (0 = off)")
+    target_bits: float | None = Field(None, gt=1.0, le=8.5, description="mixed precision: "
+                                      "average bits per weight to reach")
+    bit_choices: tuple[int, ...] = (2, 3, 4)
+
+    @model_validator(mode="after")
+    def _check_mixed(self) -> ConvertSpec:
+        bad = [b for b in self.bit_choices if b not in (2, 3, 4, 8)]
+        if bad:
+            raise ValueError(f"bit choices must be among 2, 3, 4, 8, got {bad[0]}")
+        if not self.bit_choices:
+            raise ValueError("bit choices are empty")
+        if self.act_order and self.calib is None and not self.synthetic_calib:
+            raise ValueError("act_order needs a calibration (--calib or --synthetic-calib)")
+        if self.calib is not None and self.synthetic_calib:
+            raise ValueError("--synthetic-calib and --calib are alternatives; pass one of them")
+        if 0 < self.synthetic_calib < 2:
+            raise ValueError("--synthetic-calib needs at least 2 tokens (0 = off)")
+        return self
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion did; `summary()` is what the CLI prints and --json emits."""
+
+    out: Path
+    tensors_converted: int
+    tensors_kept: int
+    bits_per_weight: float
+    mean_rel_error: float
+    max_rel_error: float
+    seconds: float
+    source_bytes: int
+    output_bytes: int
+    resumed_tensors: int = 0
+    device: str = "cpu"
+    warnings: list[str] = field(default_factory=list)
+    calibrated_tensors: int | None = None  # with --calib: how many used it (others fell back)
+    mixed: dict | None = None  # with --target-bits: the allocation
+
+    def summary(self) -> dict:
+        extra: dict = {}
+        if self.calibrated_tensors is not None:
+            extra["calibrated_tensors"] = self.calibrated_tensors
+        if self.mixed is not None:
+            extra["mixed_precision"] = self.mixed
+        return extra | {
+            "out": str(self.out),
+            "tensors_converted": self.tensors_converted,
+            "tensors_kept": self.tensors_kept,
+            "bits_per_weight": round(self.bits_per_weight, 6),
+            "mean_rel_error": self.mean_rel_error,
+            "max_rel_error": self.max_rel_error,
+            "seconds": round(self.seconds, 3),
+            "source_bytes": self.source_bytes,
+            "output_bytes": self.output_bytes,
+            "throughput_mb_s": round(self.source_bytes / 1e6 / max(self.seconds, 1e-9), 2),
+            "resumed_tensors": self.resumed_tensors,
+            "device": self.device,
+        }

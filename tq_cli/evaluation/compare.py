@@ -1,0 +1,269 @@
+"""Measure what quantization costs: a candidate against its reference, on the same text.
+
+Causal LMs: perplexity of both on the same scored tokens, the mean KL divergence of the
+candidate's next-token distribution from the reference's, and top-1 agreement, over
+windows of `context` tokens (non-overlapping by default; `stride` for sliding windows).
+Encoders: mean-pooled, normalised embeddings of the text's paragraphs; cosine to the
+reference's (mean, min) and the Spearman correlation of the two pairwise-similarity
+matrices. Only one window's logits of each model are alive at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tq_cli.errors import TqError, UnsupportedError
+from tq_cli.io.manifest import MANIFEST
+from tq_cli.io.source import resolve_source
+from tq_cli.io.text import Text, paragraphs
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    context: int = 512
+    stride: int | None = None  # None: non-overlapping windows of `context`
+    max_tokens: int | None = 8192
+    max_sentences: int = 128
+    device: str = "auto"
+
+
+@dataclass(frozen=True)
+class Window:
+    begin: int  # first input token
+    end: int  # one past the last input token
+    first_target: int  # first token index whose prediction is scored
+
+    @property
+    def scored(self) -> int:
+        return self.end - self.first_target
+
+
+def windows(n_tokens: int, context: int, stride: int | None = None) -> list[Window]:
+    """Windows over n tokens; every target from 1 to n-1 is scored exactly once.
+
+    Non-overlapping (stride None or = context): windows [k*c, (k+1)*c) score their own
+    tokens 1.. (the first token of a window has no context inside it and is not scored).
+    Sliding (stride s < c): windows start every s tokens and each scores only the
+    targets the previous window did not reach, with up to c - s tokens of context.
+    """
+    if context < 2:
+        raise TqError(f"--context must be at least 2, got {context}")
+    step = context if stride is None else stride
+    if step < 1 or step > context:
+        raise TqError(f"--stride must be between 1 and --context ({context}), got {step}")
+    out: list[Window] = []
+    prev_end = 0
+    begin = 0
+    while begin < n_tokens - 1:
+        end = min(begin + context, n_tokens)
+        first = max(begin + 1, prev_end)
+        if end > first:
+            out.append(Window(begin, end, first))
+        prev_end = end
+        if end == n_tokens:
+            break
+        begin += step
+    return out
+
+
+def is_tq_folder(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def load_model(source: str | Path, device: torch.device) -> tuple[nn.Module, Path]:
+    """A tq folder through tq_cli.load, anything else through transformers, in eval mode."""
+    folder = resolve_source(source)
+    if is_tq_folder(folder):
+        from tq_cli.runtime.loader import load
+
+        return load(folder, device=device, dtype=torch.float32), folder
+    from tq_cli.runtime.loader import load_plain
+
+    return load_plain(folder, device), folder
+
+
+def tokenizer_folder(folder: Path) -> Path:
+    """The folder holding a model's tokenizer: its own, or for a tq checkpoint without
+    one, its source's (from the manifest)."""
+    if (folder / "tokenizer_config.json").exists() or not is_tq_folder(folder):
+        return folder
+    src = Path(json.loads((folder / MANIFEST).read_text())["source"]["path"])
+    if (src / "tokenizer_config.json").exists():
+        return src
+    raise TqError(f"{folder}: no tokenizer here or in its source {src}; copy the source's "
+                  f"tokenizer files into {folder}")
+
+
+def is_causal(model: nn.Module) -> bool:
+    name = type(model).__name__
+    return name.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def causal_metrics(ref: nn.Module, cand: nn.Module, ids: torch.Tensor, context: int,
+                   stride: int | None, progress: Progress | None = None) -> dict[str, Any]:
+    """Perplexities, mean KL(ref || cand) and top-1 agreement over the scored tokens."""
+    wins = windows(ids.numel(), context, stride)
+    nll_ref = nll_cand = kl = 0.0
+    agree = scored = 0
+    dev = next(ref.parameters()).device
+    for i, w in enumerate(wins):
+        inp = ids[w.begin:w.end].to(dev)[None]
+        sel = slice(w.first_target - w.begin - 1, w.end - w.begin - 1)
+        target = ids[w.first_target:w.end].to(dev)
+        with torch.no_grad():
+            lr = ref(inp).logits[0, sel].float().log_softmax(-1)
+            lc = cand(inp).logits[0, sel].float().log_softmax(-1)
+        nll_ref -= float(lr.gather(-1, target[:, None]).sum())
+        nll_cand -= float(lc.gather(-1, target[:, None]).sum())
+        kl += float((lr.exp() * (lr - lc)).sum())
+        agree += int((lr.argmax(-1) == lc.argmax(-1)).sum())
+        scored += w.scored
+        del lr, lc
+        if progress:
+            progress(i + 1, len(wins))
+    if scored == 0:
+        raise TqError("the text is too short: no token could be scored; pass a longer --text")
+    return {
+        "reference_perplexity": math.exp(nll_ref / scored),
+        "candidate_perplexity": math.exp(nll_cand / scored),
+        "kl_mean": kl / scored,
+        "top1_agreement": agree / scored,
+        "scored_tokens": scored,
+        "windows": len(wins),
+    }
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    r = torch.empty_like(x)
+    r[x.argsort()] = torch.arange(x.numel(), dtype=x.dtype)
+    return r
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation of two 1-D tensors (ties broken by order)."""
+    ra, rb = _ranks(a.double()), _ranks(b.double())
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def embed(model: nn.Module, tokenizer: Any, sentences: list[str], max_length: int,
+          batch: int = 32) -> torch.Tensor:
+    """Mean-pooled, L2-normalised last hidden states, one row per sentence."""
+    dev = next(model.parameters()).device
+    out = []
+    for i in range(0, len(sentences), batch):
+        enc = tokenizer(sentences[i:i + batch], padding=True, truncation=True,
+                        max_length=max_length, return_tensors="pt").to(dev)
+        with torch.no_grad():
+            h = model(**enc).last_hidden_state.float()
+        m = enc["attention_mask"][..., None].float()
+        out.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1).cpu())
+    return torch.cat(out)
+
+
+def encoder_metrics(ref: nn.Module, cand: nn.Module, tokenizer: Any, sentences: list[str],
+                    max_length: int) -> dict[str, Any]:
+    if len(sentences) < 2:
+        raise TqError("the text has fewer than 2 paragraphs of 40+ characters; pass a longer "
+                      "--text")
+    a = embed(ref, tokenizer, sentences, max_length)
+    b = embed(cand, tokenizer, sentences, max_length)
+    cos = (a * b).sum(-1)
+    iu = torch.triu_indices(len(sentences), len(sentences), offset=1)
+    sim_a, sim_b = (a @ a.T)[iu[0], iu[1]], (b @ b.T)[iu[0], iu[1]]
+    return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
+            "similarity_spearman": spearman(sim_a, sim_b), "sentences": len(sentences)}
+
+
+def reference_for(candidate: Path, reference: str | None) -> str:
+    """--reference, or the source recorded in the candidate's manifest when reachable."""
+    if reference is not None:
+        return reference
+    if not is_tq_folder(candidate):
+        raise TqError(f"{candidate}: not a tq checkpoint, so --reference is needed")
+    src = json.loads((candidate / MANIFEST).read_text())["source"]["path"]
+    if not Path(src).is_dir():
+        raise TqError(f"{candidate}: its source model {src} is not reachable here; "
+                      "pass --reference")
+    return str(src)
+
+
+def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: EvalSpec,
+             progress: Progress | None = None,
+             cache: dict[str, tuple[nn.Module, Path]] | None = None) -> dict[str, Any]:
+    """Compare candidate with reference on text; a JSON-ready dict of metrics and settings.
+
+    `cache` keeps the loaded reference between calls (a sweep evaluates many candidates
+    against one reference).
+    """
+    from tq_cli.device import resolve_device
+    from tq_cli.runtime.loader import load_tokenizer
+
+    device = resolve_device(spec.device)
+    t0 = time.perf_counter()
+    cand, cand_folder = load_model(candidate, device)
+    ref_src = reference_for(cand_folder, reference)
+    if cache is not None and ref_src in cache:
+        ref, ref_folder = cache[ref_src]
+    else:
+        ref, ref_folder = load_model(ref_src, device)
+        if cache is not None:
+            cache[ref_src] = (ref, ref_folder)
+    tok_folder = cand_folder if (cand_folder / "tokenizer_config.json").exists() else ref_folder
+    tokenizer = load_tokenizer(tok_folder)
+    settings: dict[str, Any] = {
+        "text_source": text.source, "text_sha256": text.sha256, "device": str(device),
+        "dtype": "float32",
+    }
+    if is_causal(ref):
+        longest = getattr(ref.config, "max_position_embeddings", None)
+        if isinstance(longest, int) and spec.context > longest:
+            raise UnsupportedError(
+                f"{ref_folder}: --context {spec.context} is longer than the model supports "
+                f"(max_position_embeddings {longest}); pass --context {longest} or less")
+        ids = tokenizer(text.text, return_tensors="pt").input_ids[0]
+        if spec.max_tokens:
+            ids = ids[: spec.max_tokens]
+        settings.update({"context": spec.context, "stride": spec.stride or spec.context,
+                         "max_tokens": spec.max_tokens, "text_tokens": int(ids.numel())})
+        metrics = causal_metrics(ref, cand, ids, spec.context, spec.stride, progress)
+        settings["scored_tokens"] = metrics["scored_tokens"]
+        kind = "causal-lm"
+    else:
+        sentences = paragraphs(text.text, limit=spec.max_sentences)
+        max_length = min(spec.context, getattr(tokenizer, "model_max_length", 512), 512)
+        metrics = encoder_metrics(ref, cand, tokenizer, sentences, max_length)
+        settings.update({"max_length": max_length, "sentences": metrics["sentences"]})
+        kind = "encoder"
+    result: dict[str, Any] = {"kind": kind, "candidate": str(cand_folder),
+                              "reference": str(ref_folder), "settings": settings,
+                              "metrics": metrics, "seconds": round(time.perf_counter() - t0, 2)}
+    if is_tq_folder(cand_folder):
+        summary = json.loads((cand_folder / MANIFEST).read_text())["summary"]
+        result["bits_per_weight"] = summary["bits_per_weight"]
+    return result
+
+
+def write_card(candidate: Path, result: dict[str, Any]) -> None:
+    """Record an eval result in a tq folder's manifest and model card."""
+    from tq_cli.conversion.card import render_card
+    from tq_cli.io.manifest import write_json
+
+    path = candidate / MANIFEST
+    manifest = json.loads(path.read_text())
+    evals = manifest.get("eval") or []
+    evals.append({k: result[k] for k in ("kind", "reference", "settings", "metrics")})
+    manifest["eval"] = evals
+    write_json(path, manifest)
+    (candidate / "README.md").write_text(render_card(manifest))

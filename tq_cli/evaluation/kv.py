@@ -1,0 +1,258 @@
+"""What a quantized KV cache costs a causal LM: perplexity, KL, top-1 and passkey retrieval
+with the scored tokens attending to a cached, quantized past.
+
+Protocol (per window of `context` tokens): the first `prefill` tokens go through the
+cache in one forward (unscored); the rest are fed in chunks of `chunk` tokens, each one
+forward that reads the cache, and every chunk's next-token predictions are scored. A
+chunk's queries read the tokens older than the cache's full-precision window from codes,
+as decoding does. (One forward over the whole window would never read a quantized key.)
+The reference is the same model through a full-precision cache, fed the same way, so the
+differences are the cache's alone. A prefill reads its own tokens at full precision
+whatever the cache, so it runs once per window and is copied into every cache
+(`cache.fill_from`). Memory is measured at the end of each window: the context used.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from tq_cli.errors import TqError, UnsupportedError
+from tq_cli.evaluation.kv_baselines import (
+    check_backend,
+    hf_cache_bits,
+    hf_quantized_cache,
+    supported_bits,
+)
+from tq_cli.evaluation.needle import NeedleSpec, cases, run_needle
+from tq_cli.io.text import Text
+from tq_cli.kvcache.cache import TurboQuantCache, fill_from, make_spec
+from tq_cli.kvcache.spec import KVSpec, SplitPolicy
+
+if TYPE_CHECKING:
+    from tq_cli.evaluation.compare import EvalSpec
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class KVSetting:
+    """One cache to measure: a TurboQuant spec, or transformers' QuantizedCache."""
+
+    label: str
+    spec: KVSpec | None = None
+    backend: str | None = None  # "quanto" | "hqq" for transformers' QuantizedCache
+    bits: int = 4  # with backend
+    residual: int = 128  # with backend
+
+    def make(self, model: nn.Module) -> Any:
+        if self.spec is not None:
+            return TurboQuantCache(self.spec, model.config, measure_error=True)
+        assert self.backend is not None
+        return hf_quantized_cache(model, self.backend, self.bits, self.residual)
+
+
+@dataclass(frozen=True)
+class KVEvalSpec:
+    context: int = 2048
+    prefill: int | None = None  # None: context // 2
+    chunk: int = 32
+    needle: NeedleSpec | None = None
+
+
+@dataclass
+class _Acc:
+    nll: float = 0.0
+    kl: float = 0.0
+    agree: int = 0
+    scored: int = 0
+    seconds: float = 0.0
+    bits: list[float] = field(default_factory=list)
+    errors: dict[str, list[float]] = field(default_factory=lambda: {"key": [], "value": []})
+
+
+def _cache_bits(cache: Any) -> tuple[float, dict[str, float] | None]:
+    if isinstance(cache, TurboQuantCache):
+        return cache.memory(full_element_bytes=2)["bits_per_element"], cache.errors()
+    if isinstance(cache, DynamicCache):
+        return 16.0, None
+    return hf_cache_bits(cache), None
+
+
+@torch.no_grad()
+def kv_metrics(model: Any, ids: torch.Tensor, settings: list[KVSetting],
+               spec: KVEvalSpec, progress: Progress | None = None) -> dict[str, Any]:
+    """The reference (full-precision cache) and one row per setting, on the same tokens."""
+    prefill = spec.prefill if spec.prefill is not None else spec.context // 2
+    if not 1 <= prefill < spec.context - 1 or spec.chunk < 1:
+        raise TqError(f"the KV protocol needs 1 <= prefill ({prefill}) < context - 1 "
+                      f"({spec.context - 1}) and chunk >= 1")
+    starts = list(range(0, ids.numel() - prefill - 1, spec.context))
+    if not starts:
+        raise TqError(f"the text has {ids.numel()} tokens, fewer than the prefill ({prefill})"
+                      " plus 2; pass a longer --text or a smaller --context")
+    dev = next(model.parameters()).device
+    ref = _Acc()
+    accs = [_Acc() for _ in settings]
+    steps = sum(-(-(min(s + spec.context, ids.numel()) - 1 - s - prefill) // spec.chunk)
+                for s in starts)
+    done = 0
+    for s in starts:
+        window = ids[s:min(s + spec.context, ids.numel())].to(dev)
+        ref_cache = DynamicCache(config=model.config)
+        model(window[None, :prefill], cache=ref_cache, use_cache=True)
+        caches = [fill_from(st.make(model), ref_cache) for st in settings]
+        for c0 in range(prefill, window.numel() - 1, spec.chunk):
+            c1 = min(c0 + spec.chunk, window.numel() - 1)
+            inp, target = window[None, c0:c1], window[c0 + 1:c1 + 1]
+            t0 = time.perf_counter()
+            lr = model(inp, cache=ref_cache, use_cache=True).logits[0].float().log_softmax(-1)
+            ref.seconds += time.perf_counter() - t0
+            ref.nll -= float(lr.gather(-1, target[:, None]).sum())
+            ref.scored += c1 - c0
+            top = lr.argmax(-1)
+            for acc, cache in zip(accs, caches, strict=True):
+                t0 = time.perf_counter()
+                lc = model(inp, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
+                acc.seconds += time.perf_counter() - t0
+                acc.nll -= float(lc.gather(-1, target[:, None]).sum())
+                acc.kl += float((lr.exp() * (lr - lc)).sum())
+                acc.agree += int((lc.argmax(-1) == top).sum())
+                acc.scored += c1 - c0
+            done += 1
+            if progress:
+                progress(done, steps)
+        for acc, cache in zip(accs, caches, strict=True):
+            bits, errs = _cache_bits(cache)
+            acc.bits.append(bits)
+            for k, v in (errs or {}).items():
+                acc.errors[k].append(v)
+    ref_ppl = math.exp(ref.nll / ref.scored)
+    rows = []
+    for st, acc in zip(settings, accs, strict=True):
+        ppl = math.exp(acc.nll / acc.scored)
+        row: dict[str, Any] = {
+            "label": st.label, "kind": "turboquant" if st.spec else f"transformers-{st.backend}",
+            "bits_per_element": sum(acc.bits) / len(acc.bits),
+            "perplexity": ppl, "perplexity_change": ppl / ref_ppl - 1,
+            "kl_mean": acc.kl / acc.scored, "top1_agreement": acc.agree / acc.scored,
+            "scored_tokens": acc.scored, "forward_seconds": round(acc.seconds, 2),
+        }
+        if st.spec is not None:
+            row["spec"] = st.spec.model_dump()
+            row["key_rel_error"] = _mean(acc.errors["key"])
+            row["value_rel_error"] = _mean(acc.errors["value"])
+        rows.append(row)
+    return {"reference_perplexity": ref_ppl, "reference_forward_seconds": round(ref.seconds, 2),
+            "scored_tokens": ref.scored, "windows": len(starts), "prefill": prefill,
+            "chunk": spec.chunk, "rows": rows}
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def needle_metrics(model: Any, tokenizer: Any, settings: list[KVSetting],
+                   spec: NeedleSpec, progress: Progress | None = None,
+                   ) -> dict[str, dict[str, Any]]:
+    """Passkey retrieval with a full-precision cache ("full") and each setting's cache."""
+    all_cases = cases(tokenizer, spec)
+    total = len(all_cases) * (len(settings) + 1)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    makers = {st.label: _maker(st, model) for st in settings}
+    return run_needle(model, tokenizer, makers, all_cases, tick)
+
+
+def _maker(setting: KVSetting, model: nn.Module) -> Callable[[], Any]:
+    return lambda: setting.make(model)
+
+
+def parse_settings(items: str, window: int = 128, split: SplitPolicy = "kv",
+                   compare: tuple[str, ...] = (), **options: Any) -> list[KVSetting]:
+    """Settings from a list like "4,3.5,k4,v3,k4v3": average bits under `split`, or
+    explicit key/value bits (a stream not named stays in full precision). `compare` adds
+    transformers' QuantizedCache for each listed integer width its backend supports."""
+    out: list[KVSetting] = []
+    for raw in (x.strip() for x in items.split(",")):
+        if not raw:
+            continue
+        m = re.fullmatch(r"(?:k([\d.]+))?(?:v([\d.]+))?", raw)
+        try:
+            if m and (m.group(1) or m.group(2)):
+                kb = float(m.group(1)) if m.group(1) else None
+                vb = float(m.group(2)) if m.group(2) else None
+                spec = make_spec(None, window, key_bits=kb, value_bits=vb, **options)
+            else:
+                spec = make_spec(float(raw), window, split, **options)
+        except ValueError:
+            raise UnsupportedError(f"--kv-bits: {raw!r} is not bits (4, 3.5), k<bits>, "
+                                   "v<bits> or k<bits>v<bits>") from None
+        out.append(KVSetting(f"{raw} ({spec.label})", spec))
+    for backend in compare:
+        check_backend(backend)
+        for raw in items.split(","):
+            try:
+                b = float(raw)
+            except ValueError:
+                continue
+            if b == int(b) and int(b) in supported_bits(backend):
+                out.append(KVSetting(f"transformers {backend} {int(b)}-bit", backend=backend,
+                                     bits=int(b), residual=window))
+    if not out:
+        raise UnsupportedError("--kv-bits: no setting given, e.g. --kv-bits 4,3.5,3")
+    return out
+
+
+def evaluate_kv(candidate: str | Path, text: Text, settings: list[KVSetting],
+                eval_spec: EvalSpec, spec: KVEvalSpec, progress: Progress | None = None,
+                ) -> dict[str, Any]:
+    """Load CANDIDATE (tq checkpoint or model folder), measure every KV setting against
+    its full-precision cache on `text`, and the passkey test when `spec.needle` is set."""
+    from transformers import AutoTokenizer
+
+    from tq_cli.conversion.converter import resolve_device
+    from tq_cli.evaluation.compare import is_causal, load_model, tokenizer_folder
+
+    t0 = time.perf_counter()
+    model, folder = load_model(candidate, resolve_device(eval_spec.device))
+    if not is_causal(model):
+        raise UnsupportedError(f"{folder}: a KV cache needs a causal LM; this is "
+                               f"{type(model).__name__}")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(folder))
+    ids = tokenizer(text.text, return_tensors="pt").input_ids[0]
+    if eval_spec.max_tokens:
+        ids = ids[:eval_spec.max_tokens]
+    result: dict[str, Any] = {
+        "kind": "kv-cache", "candidate": str(folder),
+        "settings": {"text_source": text.source, "text_sha256": text.sha256,
+                     "device": str(next(model.parameters()).device), "dtype": "float32",
+                     "context": spec.context, "chunk": spec.chunk,
+                     "max_tokens": eval_spec.max_tokens, "text_tokens": int(ids.numel()),
+                     "full_precision_counted_as_bits": 16},
+    }
+    result["metrics"] = kv_metrics(model, ids, settings, spec, progress) if settings else None
+    if result["metrics"] is not None:
+        result["settings"]["prefill"] = result["metrics"]["prefill"]
+        result["settings"]["scored_tokens"] = result["metrics"]["scored_tokens"]
+    if spec.needle is not None:
+        result["needle"] = needle_metrics(model, tokenizer, settings, spec.needle, progress)
+        result["settings"]["needle"] = asdict(spec.needle)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result

@@ -1,0 +1,171 @@
+"""transformers integration: `from_pretrained` on a tq folder builds TQLinear layers.
+
+Registers a `turboquant` quantization config and quantizer through transformers'
+public extension points (`register_quantization_config`, `register_quantizer`). Before
+weights load, the quantizer reads the folder's manifest and shard headers, swaps each
+converted `nn.Linear` for a `TQLinear` whose buffers have the stored shapes and dtypes,
+and adds a `model.tq.rotation` module for the shared rotation material, so every key
+of the checkpoint is a key of the model and transformers' own loader fills them in.
+Importing this module imports transformers; `tq_cli` imports it only when transformers
+is (or gets) imported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from tq_cli.errors import UnsupportedError
+from tq_cli.io.checkpoint import check_checkpoint
+from tq_cli.io.manifest import QUANT_METHOD, read_manifest
+from tq_cli.io.safetensors_reader import DTYPES, read_header
+from tq_cli.runtime.tq_linear import PACKED, RotationMaterial, TQLinear
+
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class TurboQuantConfig(QuantizationConfigMixin):
+    """config.json's `quantization_config` for quant_method "turboquant" (format v1)."""
+
+    def __init__(self, bits: int = 4, group_size: int = 128, format_version: int = 1,
+                 modules_to_not_convert: list[str] | None = None, **kwargs: Any) -> None:
+        self.quant_method = QUANT_METHOD  # type: ignore[assignment]
+        self.format_version = format_version
+        self.bits, self.group_size = bits, group_size
+        self.modules_to_not_convert = modules_to_not_convert
+        for k, v in kwargs.items():
+            if k != "quant_method":
+                setattr(self, k, v)
+
+
+def _headers(files: list[str]) -> Specs:
+    out: Specs = {}
+    for f in files:
+        header, _, _ = read_header(Path(f))
+        out.update({k: (tuple(v["shape"]), DTYPES[v["dtype"]][0]) for k, v in header.items()})
+    return out
+
+
+def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
+    """Swap converted linears for TQLinear and add the rotation holders (on meta)."""
+    manifest = read_manifest(folder)
+    prefix = getattr(model, "base_model_prefix", "")
+    modules = dict(model.named_modules())
+    for e in manifest["tensors"]:
+        if e["action"] != "quantize":
+            continue
+        ck = e["name"].removesuffix(".weight")
+        name = next((n for n in (ck, f"{prefix}.{ck}", ck.removeprefix(prefix + "."))
+                     if n in modules), None)
+        if name is None or not isinstance(modules[name], nn.Linear):
+            found = type(modules[name]).__name__ if name is not None else "no module"
+            raise UnsupportedError(
+                f"{folder}: converted tensor '{e['name']}' belongs to {found}, not an "
+                f"nn.Linear of {type(model).__name__}; tq can only run converted nn.Linear "
+                "layers, so convert this model with a recipe that keeps that tensor")
+        old = modules[name]
+        specs = {s: headers[f"{ck}.weight.{s}"] for s in PACKED}
+        bias = headers.get(f"{ck}.bias") if old.bias is not None else None
+        layer = TQLinear(old.in_features, old.out_features, bits=e["spec"]["bits"],
+                         group_size=e["spec"]["group_size"], specs=specs, bias=bias)
+        layer.tq_rotation_id = e["rotation"]["id"]
+        model.set_submodule(name, layer)
+    rotations = {}
+    for rid, info in manifest.get("rotations", {}).items():
+        specs = {k.rsplit(".", 1)[1]: headers[k] for k in info["keys"]}
+        rotations[rid] = RotationMaterial(info["kind"], info["block"], specs)
+    holder = nn.Module()
+    holder.rotation = nn.ModuleDict(rotations)
+    model.tq = holder
+    guard = manifest.get("guard")
+    if guard:  # the empty tensor that stops a load without tq (docs/format.md): skip it
+        ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+        # nn.Module.__setattr__ is typed for tensors and modules; this is a plain set.
+        object.__setattr__(model, "_keys_to_ignore_on_load_unexpected",
+                           ignored | {rf"(^|\.){re.escape(guard)}$"})
+    return model
+
+
+def link_rotations(model: nn.Module) -> None:
+    """Point each TQLinear at its shared rotation material."""
+    holder = getattr(model, "tq", None)
+    rotations = (dict(holder.get_submodule("rotation").named_children())
+                 if isinstance(holder, nn.Module) else {})
+    for m in model.modules():
+        if isinstance(m, TQLinear):
+            rid = getattr(m, "tq_rotation_id", None)
+            rot = rotations.get(rid) if rid else None
+            m.set_rotation(rot if isinstance(rot, RotationMaterial) else None)
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Every TQLinear back to a plain nn.Linear holding its weight in the original basis.
+
+    The shared rotation holder (`model.tq`) goes too, so the state dict is an ordinary
+    model's. dtype: of the new weights (default: float32, the dequantized precision).
+    """
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, TQLinear):
+            continue
+        w = m.dequantize().to(dtype or torch.float32)
+        plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                          device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            plain.weight.copy_(w)
+            if m.bias is not None:
+                plain.bias.copy_(m.bias.to(w.dtype))
+        model.set_submodule(name, plain)
+    if isinstance(getattr(model, "tq", None), nn.Module):
+        del model.tq
+    return model
+
+
+class TurboQuantHfQuantizer(HfQuantizer):
+    """Loads pre-quantized tq checkpoints; tq does not quantize inside from_pretrained."""
+
+    requires_calibration = True
+
+    def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        files = [str(f) for f in kwargs.get("checkpoint_files") or []]
+        if not files:
+            raise ValueError("tq: from_pretrained on a tq checkpoint needs its safetensors files")
+        folder = Path(files[0]).parent
+        # The checks tq_cli.load runs (once per folder per process); TQ_SKIP_CHECKSUMS=1
+        # skips only the full sha256 read of the shards, never the structural checks.
+        check_checkpoint(folder, verify_checksums=not os.environ.get("TQ_SKIP_CHECKSUMS"))
+        return prepare_model(model, folder, _headers(files))
+
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        link_rotations(model)
+        return model
+
+    def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+        # transformers' HfQuantizer.dequantize calls this, then drops quantization_config,
+        # so model.dequantize() + save_pretrained() writes an ordinary model.
+        return dequantize_model(model, dtype)
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def register() -> None:
+    """Register with transformers once (registering twice raises there)."""
+    if QUANT_METHOD in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        return
+    register_quantization_config(QUANT_METHOD)(TurboQuantConfig)
+    register_quantizer(QUANT_METHOD)(TurboQuantHfQuantizer)
+
+
+register()

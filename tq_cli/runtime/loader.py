@@ -1,0 +1,159 @@
+"""`load()`: a format-v1 folder (or hub id) in, a runnable transformers model out.
+
+Checks before building anything: it is a tq checkpoint, its format version is one this
+tq reads, every shard matches its manifest checksum, and every stored rotation matches
+a fresh draw from its seed. The model is then built on the meta device by transformers'
+`from_pretrained` with the turboquant quantizer registered (tq_cli.runtime.hf_quantizer), so
+converted layers are TQLinear from the start and no full-size weight is ever allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tq_cli.device import resolve_device
+from tq_cli.errors import CorruptFileError, SourceError, TqError
+from tq_cli.io.checkpoint import check_checkpoint
+from tq_cli.io.source import resolve_source
+from tq_cli.runtime.tq_linear import TQLinear
+from tq_kernels import cpu as cpu_kernel
+
+log = logging.getLogger("tq")
+
+
+def quiet_transformers() -> None:
+    """tq draws its own progress on stderr; transformers' per-load bars only add noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def model_class(config: dict) -> Any:
+    import transformers
+
+    quiet_transformers()
+
+    for arch in config.get("architectures") or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    if config.get("is_decoder") or "CausalLM" in str(config.get("architectures")):
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModel
+
+
+def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | None = None,
+         dtype: torch.dtype | None = None, verify_checksums: bool = True,
+         kv_bits: float | None = None, kv_window: int = 128) -> nn.Module:
+    """Load a tq checkpoint as a transformers model whose converted layers are TQLinear.
+
+    device: None picks CUDA when available, else CPU; "cuda" without CUDA is an error.
+    dtype: of activations and kept tensors; default float16 on CUDA, float32 on CPU.
+    kv_bits: when given, `generate()` uses a TurboQuant KV cache at these bits (with
+    `kv_window` recent tokens in full precision) unless it is passed a cache.
+    """
+    dev = resolve_device(device)
+    dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
+    kv_spec = None
+    if kv_bits is not None:  # checked before any loading
+        from tq_cli.kvcache.cache import make_spec
+
+        kv_spec = make_spec(kv_bits, kv_window)
+    folder = resolve_source(path_or_hub_id)
+    ck = check_checkpoint(folder, verify_checksums)
+    try:
+        from tq_cli.runtime import hf_quantizer
+    except ImportError as e:
+        raise TqError("loading a tq checkpoint needs transformers: pip install 'tq[models]'") from e
+    hf_quantizer.register()
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    cls = model_class(config)
+    model = cls.from_pretrained(folder, dtype=dtype)
+    model = model.to(dev).eval()
+    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                 if t.device.type == "meta"]
+    if leftovers:
+        raise CorruptFileError(f"{folder}: tensors missing from the checkpoint: "
+                               f"{', '.join(leftovers[:5])}")
+    layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    converted = sum(1 for e in ck.manifest["tensors"] if e["action"] == "quantize")
+    if len(layers) != converted:
+        # transformers would have initialised the missing layers at random: never return that.
+        raise CorruptFileError(
+            f"{folder}: {converted} tensors were converted but {len(layers)} TQLinear layers "
+            "were built; is tq_cli imported before transformers loads the model?")
+    model.tq_report = report(model)
+    if kv_spec is not None:
+        from tq_cli.kvcache.cache import use_kv_cache
+
+        use_kv_cache(model, kv_spec)
+    log.info("tq: %d TQLinear layers, backends %s, CPU prefill GEMM %s", len(layers),
+             dict(model.tq_report["backends"]), model.tq_report["cpu_gemm"] or "-")
+    return model
+
+
+def report(model: nn.Module) -> dict:
+    """Backends per layer and the memory of converted layers against fp16."""
+    layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    packed = sum(m.memory_bytes() for m in layers)
+    holder = getattr(model, "tq", None)
+    rot = (sum(b.numel() * b.element_size() for b in holder.buffers())
+           if isinstance(holder, nn.Module) else 0)
+    fp16 = sum(2 * m.out_features * (m.in_features + (1 if m.bias is not None else 0))
+               for m in layers)
+    backends = Counter(m.backend for m in layers)
+    on_cpu = any(b.startswith("cpu-") for b in backends)
+    return {"layers": len(layers), "backends": backends,
+            # the product precision of the CPU kernel's prefill GEMM (None: no CPU layers)
+            "cpu_gemm": cpu_kernel.gemm_precision() if on_cpu else None,
+            "packed_bytes": packed, "rotation_bytes": rot, "tq_bytes": packed + rot,
+            "fp16_bytes": fp16}
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer through transformers, or a one-line SourceError saying what
+    to copy there (transformers' own errors run to many lines)."""
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise SourceError(f"{folder}: no usable tokenizer ({first}); copy the model's "
+                          "tokenizer files (tokenizer.json, tokenizer_config.json) into "
+                          "it") from None
+
+
+def load_plain(folder: Path, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A model folder that is not a tq checkpoint, through transformers, in eval mode."""
+    cfg = folder / "config.json"
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError
+    except FileNotFoundError:
+        raise SourceError(f"{folder}: no config.json; pass a model folder or a tq "
+                          "checkpoint") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise CorruptFileError(f"{cfg}: not a JSON object of settings; re-download it") \
+            from None
+    cls = model_class(config)
+    try:
+        model = cls.from_pretrained(folder, dtype=dtype)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise SourceError(f"{folder}: transformers cannot load this model ({first}); pass a "
+                          "folder with config.json and safetensors weights") from None
+    return model.to(device).eval()
