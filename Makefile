@@ -57,7 +57,7 @@ bench: install
 	$(VENV)/bin/tq bench
 
 bench-quick: install
-	$(VENV)/bin/tq bench --quick --baseline bench/baseline-cpu.json
+	$(VENV)/bin/tq bench --quick --baseline .ci/bench-baseline-cpu.json
 
 wheel-check:
 	bash scripts/wheel_check.sh

@@ -20,6 +20,9 @@ from tinymodels import build_tiny_bert, build_tiny_llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# The tq command line pausing after every finished tensor (to kill or race a conversion).
+SLOW_TQ = Path(__file__).resolve().parent / "slow_tq.py"
+
 
 @pytest.fixture(params=["fp32", "bf16"])
 def cpu_gemm(request: pytest.FixtureRequest) -> Iterator[str]:

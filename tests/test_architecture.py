@@ -1,4 +1,6 @@
-"""The house rules that keep tq readable, checked on the source (docs/design.md)."""
+"""The house rules that keep tq readable, checked on the source (docs/design.md, "The
+rules"): packages by workflow whose imports run one way, no cycles (through the package
+faces too), the CLI stack out of the library, and small modules."""
 
 from __future__ import annotations
 
@@ -7,6 +9,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tq_cli"
+
+# Modules every part of the library may import.
+FOUNDATION = {"tq_cli.errors", "tq_cli.version", "tq_cli._lazy", "tq_cli.device"}
+# What each package may import besides itself and the foundation: commands -> workflows
+# -> runtime / planning -> io -> quant (the math) -> tq_kernels.
+ALLOWED: dict[str, set[str]] = {
+    "quant": set(),
+    "io": {"quant"},
+    "planning": {"io", "quant"},
+    "kvcache": {"quant"},
+    "runtime": {"io", "quant", "kvcache"},
+    "vllm_plugin": {"runtime", "io", "quant"},
+    "calibration": {"planning", "runtime", "io", "quant"},
+    "seedsearch": {"planning", "io", "quant"},
+    "conversion": {"calibration", "planning", "runtime", "io", "quant"},
+    "evaluation": {"conversion", "calibration", "runtime", "kvcache", "planning", "io",
+                   "quant"},
+    "bench": {"conversion", "evaluation", "runtime", "kvcache", "planning", "io", "quant"},
+}
+# The lazy API functions of the package face: a subpackage named like one would hide it.
+API = {"convert", "load", "quantize", "dequantize", "kv_cache"}
 
 
 def _modules() -> dict[str, Path]:
@@ -27,6 +50,18 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
     return names
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the tq_cli modules it imports, the package faces included."""
+    mods = _modules()
+    return {m: {n for n in _imports(p) if n in mods and n != m} for m, p in mods.items()}
+
+
+def _package(module: str) -> str:
+    """The first-level part of tq_cli a module belongs to ('' for the package face)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -64,12 +99,48 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycles_between_modules() -> None:
-    mods = _modules()
-    # The package's __init__ re-exports the public API; importing it is not a cycle.
-    graph = {m: {n for n in _imports(p) if n in mods and n != "tq_cli" and n != m}
-             for m, p in mods.items()}
-    assert _cycles(graph) == []
+def test_no_import_cycles_even_through_the_package_faces() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_face() -> None:
+    graph = {"tq_cli": {"tq_cli.quant.grouped"}, "tq_cli.quant.grouped": {"tq_cli"}}
+    assert _cycles(graph) == [["tq_cli", "tq_cli.quant.grouped"]]
+
+
+def test_imports_run_one_way_between_packages() -> None:
+    offenders = []
+    for module, deps in _graph().items():
+        pkg = _package(module)
+        if pkg not in ALLOWED:
+            continue  # the face, the CLI (app, commands), the foundation, demo_model
+        for dep in deps:
+            target = _package(dep)
+            if dep in FOUNDATION or target == pkg or target in ALLOWED[pkg]:
+                continue
+            offenders.append(f"{module} -> {dep}")
+    assert offenders == []
+
+
+def test_the_library_imports_no_package_face() -> None:
+    # Faces are for users; a module that imports one depends on everything it names.
+    faces = {m for m, p in _modules().items() if p.name == "__init__.py"}
+    offenders = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps if d in faces
+                 and not m.startswith(("tq_cli.commands", "tq_cli.app"))
+                 and _modules()[m].name != "__init__.py"]
+    assert offenders == []
+
+
+def test_every_module_belongs_to_a_package_or_the_short_top_level_list() -> None:
+    top = {m for m in _modules() if m.count(".") == 1 and _package(m) not in ALLOWED
+           and _package(m) != "commands"}
+    assert top == {*FOUNDATION, "tq_cli.__main__", "tq_cli.app", "tq_cli.demo_model"}
+
+
+def test_no_subpackage_is_named_like_a_lazy_api_function() -> None:
+    subpackages = {p.parent.name for p in PACKAGE.rglob("__init__.py")}
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    assert (subpackages | modules) & API == set()
 
 
 def test_the_library_never_imports_the_cli_stack() -> None:
@@ -88,9 +159,12 @@ def test_no_reference_to_files_outside_the_repository() -> None:
     # The design lives in docs/design.md; nothing may cite a document that is not here.
     offenders = []
     for p in [*ROOT.glob("tq_cli/**/*.py"), *ROOT.glob("kernels/**/*.py"),
-              *ROOT.glob("docs/*.md"), ROOT / "README.md", *ROOT.glob("scripts/*")]:
+              *ROOT.glob("tests/*.py"), *ROOT.glob("docs/*.md"), ROOT / "README.md",
+              *ROOT.glob("scripts/*")]:
+        if p == Path(__file__):
+            continue
         text = p.read_text(encoding="utf-8", errors="replace")
-        if "DESIGN.md" in text or "../shared" in text or "STYLE.md" in text:
+        if any(s in text for s in ("DESIGN.md", "../shared", "STYLE.md", "MODELS.md")):
             offenders.append(str(p.relative_to(ROOT)))
     assert offenders == []
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer
 from torch import nn
 from typer.testing import CliRunner
 
 import tq_cli.calibration.collect as calib_mod
 import tq_cli.calibration.skeleton as skeleton_mod
+from tq_cli.app import app
 from tq_cli.calibration.collect import (
     CalibrationMismatchError,
     CalibResult,
@@ -22,7 +22,6 @@ from tq_cli.calibration.collect import (
     read_calibration,
     token_sequences,
 )
-from tq_cli.commands import calibrate as calibrate_cmd
 from tq_cli.errors import CorruptFileError, OutputError, TqError
 from tq_cli.io.safetensors_reader import open_source
 from tq_cli.io.text import Text, calibration_text
@@ -292,20 +291,18 @@ def test_damaged_and_foreign_files(tiny_llama: Path, tmp_path: Path,
 
 
 def test_cli_json_and_errors(tiny_llama: Path, tmp_path: Path) -> None:
-    app = typer.Typer()
-    app.command()(calibrate_cmd.main)
     runner = CliRunner()
     out = tmp_path / "c.calib"
-    r = runner.invoke(app, [str(tiny_llama), "-o", str(out), "--samples", "2", "--seqlen", "16",
-                            "--device", "cpu", "--json"])
+    r = runner.invoke(app, ["calibrate", str(tiny_llama), "-o", str(out), "--samples", "2",
+                            "--seqlen", "16", "--device", "cpu", "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["layers"] == 14 and data["groups"] == 8 and data["tokens"] == 32
     assert {"seconds", "file_bytes", "uncalibrated", "out"} <= set(data)
-    r = runner.invoke(app, [str(tmp_path / "missing"), "-o", str(out)])
+    r = runner.invoke(app, ["calibrate", str(tmp_path / "missing"), "-o", str(out)])
     assert r.exit_code == 1
     assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1
-    r = runner.invoke(app, [str(tiny_llama), "-o", str(out), "--samples", "0"])
+    r = runner.invoke(app, ["calibrate", str(tiny_llama), "-o", str(out), "--samples", "0"])
     assert r.exit_code == 2 and "--samples" in r.stderr
 
 

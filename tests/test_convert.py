@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SLOW_TQ
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -136,9 +136,11 @@ def test_other_settings_convert(tiny_llama: Path, tmp_path: Path, rotation: str,
     assert float((w - dequantize(ck.quantized(name))).pow(2).sum() / w.pow(2).sum()) < limit
 
 
-def _run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tq_cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+def _run_cli(args: list[str], slow: bool = False) -> subprocess.Popen:
+    """`tq ARGS` in a child process; `slow`: pausing after every finished tensor."""
+    cmd = [str(SLOW_TQ)] if slow else ["-m", "tq_cli"]
+    return subprocess.Popen([sys.executable, *cmd, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
 
 def _kill_after(tiny_llama: Path, out: Path, lines: int) -> Path:
@@ -146,7 +148,7 @@ def _kill_after(tiny_llama: Path, out: Path, lines: int) -> Path:
     from tq_cli.io.writer import JOURNAL
 
     proc = _run_cli(["convert", str(tiny_llama), "-o", str(out), "--group-size", "64"],
-                    {"TQ_DEBUG_TENSOR_DELAY": "0.3"})
+                    slow=True)
     journal = partial_path(out) / JOURNAL
     deadline = time.time() + 120
     while not (journal.exists() and len(journal.read_text().splitlines()) >= lines):

@@ -4,7 +4,6 @@ resume against a changed source, and sources the loader could not run."""
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_safetensors
+from conftest import SLOW_TQ, write_safetensors
 
 from tq_cli.conversion.converter import ConvertSpec, convert, partial_path
 from tq_cli.errors import OutputError, TqError, UnsupportedError
@@ -37,9 +36,8 @@ def test_a_second_writer_is_refused_while_the_first_runs(tiny_llama: Path,
                                                         tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = subprocess.Popen(
-        [sys.executable, "-m", "tq_cli", "convert", str(tiny_llama), "-o", str(out),
-         "--group-size", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "TQ_DEBUG_TENSOR_DELAY": "0.3"})
+        [sys.executable, str(SLOW_TQ), "convert", str(tiny_llama), "-o", str(out),
+         "--group-size", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 120
         while not (partial_path(out) / JOURNAL).exists():

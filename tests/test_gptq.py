@@ -5,9 +5,10 @@ import random
 import pytest
 import torch
 
-import tq_cli.conversion.allocate as alloc
-from tq_cli.conversion.allocate import AllocationError, allocate, allocate_bits
+import tq_cli.conversion.mixed_precision as alloc
+from tq_cli.conversion.mixed_precision import AllocationError, allocate, allocate_bits
 from tq_cli.errors import TqError
+from tq_cli.io.format import storage_layout, stored_tensors
 from tq_cli.quant.gptq import (
     CalibrationUnusableError,
     quantize_calibrated,
@@ -15,7 +16,7 @@ from tq_cli.quant.gptq import (
     rotate_hessian,
     weighted_error,
 )
-from tq_cli.quant.grouped import dequantize_rotated, quantize_rotated, storage_layout
+from tq_cli.quant.grouped import dequantize_rotated, quantize_rotated
 from tq_cli.quant.rotation import Rotation, make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 
@@ -123,7 +124,7 @@ def test_format_matches_data_free(act_order: bool) -> None:
     layout = storage_layout(64, 200, spec)
     dtypes = {"U8": torch.uint8, "F16": torch.float16, "F32": torch.float32,
               "I32": torch.int32}
-    for suffix, t in q.storage("w").items():
+    for suffix, t in stored_tensors("w", q).items():
         dtype, shape = layout[suffix.split(".", 1)[1]]
         assert t.dtype == dtypes[dtype] and list(t.shape) == shape, suffix
     idx = q.outlier_idx.long()

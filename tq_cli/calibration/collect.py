@@ -48,8 +48,9 @@ from tq_cli.io.calibration import (
     check_out,
     read_calibration,
 )
-from tq_cli.io.safetensors_reader import SourceModel, open_source
+from tq_cli.io.safetensors_reader import SourceModel
 from tq_cli.io.text import Text
+from tq_cli.planning.prepare import PlannedSource
 from tq_cli.version import __version__
 
 __all__ = ["CalibResult", "CalibSpec", "Calibration", "CalibrationMismatchError", "calibrate",
@@ -117,12 +118,20 @@ def token_sequences(tokenizer: Any, text: Text, samples: int, seqlen: int,
 def calibrate(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: CalibSpec,
               progress: Progress | None = None, warn: Warn | None = None) -> CalibResult:
     """Run SOURCE on calibration text block by block and write H per input group to OUT."""
-    from tq_cli.io.source import resolve_source
+    from tq_cli.planning.prepare import plan_source
+    from tq_cli.quant.spec import RotationSpec
+
+    # The tensors convert would quantize (rotation settings do not change which).
+    planned = plan_source(source, spec.recipe, rotation=RotationSpec(kind="none"))
+    return calibrate_planned(planned, out, spec, progress, warn)
+
+
+def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec: CalibSpec,
+                      progress: Progress | None = None,
+                      warn: Warn | None = None) -> CalibResult:
+    """`calibrate` for a source already planned (convert --synthetic-calib plans once)."""
     from tq_cli.io.text import calibration_text, read_text
-    from tq_cli.planning.plan import make_plan
-    from tq_cli.planning.recipe import resolve_recipe
-    from tq_cli.quant.spec import QuantSpec, RotationSpec
-    from tq_cli.runtime.loader import load_tokenizer
+    from tq_cli.runtime.hf_models import load_tokenizer, require_transformers
 
     t0 = time.perf_counter()
     warnings: list[str] = []
@@ -132,19 +141,13 @@ def calibrate(source: str | os.PathLike[str], out: str | os.PathLike[str], spec:
         if warn is not None:
             warn(msg)
 
-    folder = resolve_source(source)
-    src = open_source(folder)
+    folder, src, recipe = planned.folder, planned.model, planned.recipe
     if src.config is None:
         raise SourceError(f"{folder}: no config.json; tq calibrate needs it to build the model")
+    require_transformers("calibration runs the model")
     out_path = Path(out).expanduser()
     check_out(out_path, src)
-    recipe = resolve_recipe(spec.recipe, src.config)
-    # The same plan convert makes (rotation settings do not change which tensors convert).
-    names = [t.info.name for t in make_plan(src, recipe, QuantSpec(),
-                                            RotationSpec(kind="none")).converted]
-    if not names:
-        raise TqError(f"{folder}: no tensor matches a quantize rule of recipe '{recipe.name}'; "
-                      "pass --recipe with one that fits this model")
+    names = planned.converted_names
     device = resolve_device(spec.device)
     text = calibration_text() if spec.text is None else read_text(spec.text)
     model = build_skeleton(folder, src.config)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tq_cli.io.text import Text
+from tq_cli.planning.prepare import PlannedSource
 
 DEFAULT_SEQLEN = 512
 # Decoding random ids and tokenising the text again does not give the same count back;
@@ -73,21 +74,22 @@ def random_text(tokenizer: Any, tokens: int, seed: int) -> Text:
     return Text(text, f"random tokens (seed {seed}, {len(ids)} ids)")
 
 
-def synthetic_calibration(source: Path, config: dict[str, Any] | None, tokens: int, seed: int,
-                          folder: Path, device: str, recipe: str | None) -> tuple[Path, dict]:
-    """Write a random-token calibration file for `source` under `folder`; returns its path
-    and the record the manifest keeps (what was drawn, how much, the text's sha256)."""
-    from tq_cli.calibration.collect import CalibSpec, calibrate
-    from tq_cli.runtime.loader import load_tokenizer
+def synthetic_calibration(planned: PlannedSource, tokens: int, seed: int, folder: Path,
+                          device: str) -> tuple[Path, dict]:
+    """Write a random-token calibration file for a planned source under `folder`; returns
+    its path and the record the manifest keeps (what was drawn, how much, the text's
+    sha256)."""
+    from tq_cli.calibration.collect import CalibSpec, calibrate_planned
+    from tq_cli.runtime.hf_models import load_tokenizer, require_transformers
 
-    plan = synthetic_plan(tokens, config)
-    text = random_text(load_tokenizer(source), plan.tokens, seed)
+    require_transformers("--synthetic-calib runs the model on random tokens")
+    plan = synthetic_plan(tokens, planned.model.config)
+    text = random_text(load_tokenizer(planned.folder), plan.tokens, seed)
     text_path = folder / "synthetic.txt"
     text_path.write_text(text.text, encoding="utf-8")
     out = folder / "synthetic.calib"
-    res = calibrate(source, out, CalibSpec(text=str(text_path), samples=plan.samples,
-                                           seqlen=plan.seqlen, device=device,
-                                           recipe=recipe))
+    res = calibrate_planned(planned, out, CalibSpec(text=str(text_path), samples=plan.samples,
+                                                    seqlen=plan.seqlen, device=device))
     record = {"synthetic": "random-tokens", "seed": seed, "tokens_requested": tokens,
               "samples": res.samples, "seqlen": res.seqlen, "tokens": res.tokens,
               "text_sha256": text.sha256}

@@ -24,7 +24,7 @@ def build_skeleton(folder: Path, config: dict) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    from tq_cli.runtime.loader import model_class
+    from tq_cli.runtime.hf_models import model_class
 
     cls = model_class(config)
     cfg = AutoConfig.from_pretrained(folder)

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tq_cli.commands._common import emit_json, fail, run_library, stderr
+from tq_cli.commands._common import emit_json, fail, stderr
 
 # Tables are wide; a log file or pipe gets them whole instead of at 80 columns.
 stdout = Console(width=None if Console().is_terminal else 140)
@@ -29,9 +29,9 @@ Exit codes: 0 ok, 1 error, 2 usage error, 3 a metric regressed beyond its limit.
 
 Examples:
 
-  tq bench --quick --baseline bench/baseline-cpu.json        (what CI runs)
+  tq bench --quick --baseline .ci/bench-baseline-cpu.json  (what CI runs)
 
-  tq bench --json result.json                                 (full run; a new baseline)
+  tq bench --json result.json                              (full run; a new baseline)
 """
 
 REGRESSED = 3
@@ -133,7 +133,7 @@ def _read_baseline(path: Path) -> dict[str, Any]:
                    f"tq bench --json {path}")
     from tq_cli.bench.metrics import check_baseline
 
-    run_library(lambda: check_baseline(data, str(path)))  # before the run, not after it
+    check_baseline(data, str(path))  # before the run, not after it
     return data
 
 
@@ -168,21 +168,20 @@ def main(
                      f"{', '.join(SECTIONS + OPTIONAL_SECTIONS)}")
         raise typer.Exit(code=2)
     base = _read_baseline(baseline) if baseline is not None else None
-    dev = run_library(lambda: resolve_device(device))
+    dev = resolve_device(device)
     spec = BenchSpec(quick=quick, device=dev, sections=tuple(section) or SECTIONS,
                      scratch=scratch)
     with stderr.status("benchmark") as status:
-        result = run_library(lambda: run_bench(
-            spec, progress=lambda msg: status.update(msg)))
+        result = run_bench(spec, progress=lambda msg: status.update(msg))
     if base is not None:
-        run_library(lambda: result.gate(base, max_regression, max_slowdown))
+        result.gate(base, max_regression, max_slowdown)
     data = result.to_dict()
     if json_out is not None and str(json_out) == "-":
         emit_json(data)
     else:
         print_tables(data)
         if json_out is not None:
-            run_library(lambda: json_out.write_text(json.dumps(data, indent=2) + "\n"))
+            json_out.write_text(json.dumps(data, indent=2) + "\n")
     cmp = result.comparison
     if cmp is None:
         return

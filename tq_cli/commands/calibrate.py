@@ -15,7 +15,6 @@ from tq_cli.commands._common import (
     bound_heap_growth,
     emit_json,
     progress_bar,
-    run_library,
     stdout,
     usage_error,
 )
@@ -71,7 +70,7 @@ def main(
             bar.console.print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
 
         bound_heap_growth()  # 698 MB peak on SmolLM2 instead of 1,182, for 5 s of faults
-        result = run_library(lambda: calibrate(source, out, spec, progress=on_block, warn=warn))
+        result = calibrate(source, out, spec, progress=on_block, warn=warn)
     summary = result.summary()
     if as_json:
         emit_json(summary)

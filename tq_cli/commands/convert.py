@@ -15,7 +15,6 @@ from tq_cli.commands._common import (
     emit_json,
     quant_option,
     quant_values,
-    run_library,
     stdout,
     tensor_progress,
     usage_error,
@@ -134,8 +133,7 @@ def main(
         def log(msg: str) -> None:
             bar.console.print(f"[yellow]warning:[/] {msg}", highlight=False)
 
-        result = run_library(lambda: convert(source, out, spec, on_plan=on_plan,
-                                             progress=on_done, log=log))
+        result = convert(source, out, spec, on_plan=on_plan, progress=on_done, log=log)
     if as_json:
         emit_json(result.summary())
     else:

@@ -14,7 +14,6 @@ from tq_cli.commands._common import (
     progress_bar,
     quant_option,
     quant_values,
-    run_library,
     stdout,
     usage_error,
 )
@@ -66,7 +65,7 @@ def main(
     from tq_cli.seedsearch.grid import SearchSpec, search
     from tq_cli.seedsearch.ranges import parse_seeds
 
-    seed_list = run_library(lambda: parse_seeds(seeds))
+    seed_list = parse_seeds(seeds)
     try:
         spec = SearchSpec.model_validate(quant_values(locals()) | {
             "seeds": seed_list, "objective": objective,
@@ -85,9 +84,9 @@ def main(
             bar.update(task, completed=done, total=total, description=name[-40:])
 
         if comm is not None:
-            doc = run_library(lambda: search(source, out, spec, progress=progress, comm=comm))
+            doc = search(source, out, spec, progress=progress, comm=comm)
         else:
-            doc = run_library(lambda: run_local(search, (source, out, spec), jobs, progress))
+            doc = run_local(search, (source, out, spec), jobs, progress)
     if comm is not None and comm.world > 1:
         import torch.distributed as dist
 

@@ -23,7 +23,8 @@ from tq_cli.conversion.finish import finish
 from tq_cli.conversion.pipeline import Finished, stream
 from tq_cli.conversion.spec import ConvertResult, ConvertSpec
 from tq_cli.device import resolve_device
-from tq_cli.errors import OutputError, TqError, UnsupportedError
+from tq_cli.errors import OutputError, TqError
+from tq_cli.io.format import GUARD, GUARD_SHAPE, ROTATION_PREFIX
 from tq_cli.io.manifest import write_json
 from tq_cli.io.output import (
     PLAN_FILE,
@@ -33,17 +34,15 @@ from tq_cli.io.output import (
     read_plan_hash,
     verified,
 )
-from tq_cli.io.safetensors_reader import SourceModel, open_source, source_sha256
-from tq_cli.io.source import resolve_source
+from tq_cli.io.safetensors_reader import SourceModel, source_sha256
 from tq_cli.io.writer import Journal, ShardWriter
-from tq_cli.planning.plan import Plan, make_plan
-from tq_cli.planning.recipe import resolve_recipe
+from tq_cli.planning.plan import Plan
+from tq_cli.planning.prepare import PlannedSource, plan_source
 from tq_cli.quant.choose import CalibOptions
-from tq_cli.quant.rotation import ROTATION_PREFIX, Rotation, make_rotation
+from tq_cli.quant.rotation import Rotation, make_rotation
 from tq_cli.version import __version__
 
 __all__ = ["ConvertResult", "ConvertSpec", "convert", "partial_path"]
-GUARD = "tq.guard"  # the guard's journal entry (tq_cli.planning.plan.Plan.guard)
 
 
 ProgressFn = Callable[[Finished, int], None]
@@ -73,32 +72,15 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
         if log:
             log(msg)
 
-    folder = resolve_source(source)
-    model = open_source(folder)
-    check_output(out, folder, spec.overwrite)
-    recipe = resolve_recipe(spec.recipe, model.config)
-    seeds, seeds_record = spec.seeds, None
-    if spec.seeds_file is not None:
-        from tq_cli.io.seeds import read_seeds
-
-        seeds, seeds_record = read_seeds(spec.seeds_file, model, spec.rotation)
-    plan = make_plan(model, recipe, spec.quant, spec.rotation, seeds, spec.max_shard_bytes)
-    if not plan.converted:
-        raise UnsupportedError(
-            f"{folder}: no tensor matches a quantize rule of recipe '{recipe.name}'; "
-            "pass --recipe with one that fits this model")
+    planned = plan_source(source, spec.recipe, spec.quant, spec.rotation, seeds=spec.seeds,
+                          seeds_file=spec.seeds_file, max_shard_bytes=spec.max_shard_bytes)
+    model, plan = planned.model, planned.plan
+    check_output(out, planned.folder, spec.overwrite)
     device = resolve_device(spec.device)
-    calib, synthetic = _calibration(spec, model, scratch, log)
-    provenance: dict[str, Any] = {"seeds": seeds_record} if seeds_record else {}
-    if synthetic is not None:
-        provenance["calibration"] = synthetic | {"damp": spec.damp, "act_order": spec.act_order}
-    elif calib is not None:
-        provenance["calibration"] = {
-            "file": calib.calibration.path.name, "sha256": calib.calibration.sha256,
-            "damp": spec.damp, "act_order": spec.act_order,
-            "samples": calib.calibration.meta.get("samples"),
-            "seqlen": calib.calibration.meta.get("seqlen"),
-            "tokens": calib.calibration.meta.get("tokens")}
+    calib, calib_record = _calibration(spec, planned, scratch, log)
+    provenance: dict[str, Any] = {"seeds": planned.seeds_record} if planned.seeds_record else {}
+    if calib_record is not None:
+        provenance["calibration"] = calib_record
     if spec.target_bits is not None:
         from tq_cli.conversion.mixed_precision import choose_bits
 
@@ -106,8 +88,7 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
             log(f"--target-bits {spec.target_bits:g}: measuring every tensor at "
                 f"{', '.join(map(str, spec.bit_choices))} bits first")
         mixed = choose_bits(plan, spec.target_bits, spec.bit_choices, device, calib)
-        plan = make_plan(model, recipe, spec.quant, spec.rotation, seeds, spec.max_shard_bytes,
-                         bits=mixed.bits)
+        plan = planned.replan(mixed.bits)
         provenance["mixed_precision"] = mixed.record
     plan.extra = {k: v for k, v in provenance.items() if k != "seeds"}
     if on_plan:
@@ -174,12 +155,14 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     return result
 
 
-def _calibration(spec: ConvertSpec, model: SourceModel, scratch: contextlib.ExitStack,
+def _calibration(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.ExitStack,
                  log: Callable[[str], None] | None) -> tuple[CalibOptions | None, dict | None]:
-    """The calibration GPTQ uses, if any, and with --synthetic-calib the record of the
-    random-token calibration made for this run (in a temporary folder `scratch` removes)."""
+    """The calibration GPTQ uses, if any, and the manifest's record of it. With
+    --synthetic-calib the random-token calibration is made first, from the same plan, in
+    a temporary folder `scratch` removes."""
     from tq_cli.io.calibration import read_calibration
 
+    gptq = {"damp": spec.damp, "act_order": spec.act_order}
     if spec.synthetic_calib:
         from tq_cli.calibration.random_tokens import synthetic_calibration
 
@@ -187,17 +170,20 @@ def _calibration(spec: ConvertSpec, model: SourceModel, scratch: contextlib.Exit
         if log:
             log(f"--synthetic-calib: running the model on {spec.synthetic_calib} random "
                 "tokens first")
-        path, record = synthetic_calibration(model.folder, model.config, spec.synthetic_calib,
-                                             spec.rotation.seed, folder, spec.device,
-                                             spec.recipe)
+        path, record = synthetic_calibration(planned, spec.synthetic_calib,
+                                             spec.rotation.seed, folder, spec.device)
         calibration = read_calibration(path)
-        calibration.check_source(model)
-        return CalibOptions(calibration, spec.damp, spec.act_order), record
+        calibration.check_source(planned.model)
+        return CalibOptions(calibration, spec.damp, spec.act_order), record | gptq
     if spec.calib is None:
         return None, None
     calibration = read_calibration(spec.calib)
-    calibration.check_source(model)
-    return CalibOptions(calibration, spec.damp, spec.act_order), None
+    calibration.check_source(planned.model)
+    record = {"file": calibration.path.name, "sha256": calibration.sha256, **gptq,
+              "samples": calibration.meta.get("samples"),
+              "seqlen": calibration.meta.get("seqlen"),
+              "tokens": calibration.meta.get("tokens")}
+    return CalibOptions(calibration, spec.damp, spec.act_order), record
 
 
 def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
@@ -214,7 +200,8 @@ def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
         journal.append(entry)
         done[name] = entry
     if plan.guard is not None and GUARD not in done:
-        digests = {plan.guard: writer.write(plan.guard, torch.zeros(0, dtype=torch.uint8))}
+        guard = torch.zeros(GUARD_SHAPE, dtype=torch.uint8)
+        digests = {plan.guard: writer.write(plan.guard, guard)}
         entry = {"tensor": GUARD, "digests": digests, "record": {"action": "rotation"}}
         journal.append(entry)
         done[GUARD] = entry

@@ -15,12 +15,13 @@ import torch
 
 from tq_cli.conversion.card import render_card
 from tq_cli.conversion.spec import ConvertResult, ConvertSpec
+from tq_cli.io.format import CONVERTED, FORMAT_VERSION, MANIFEST
 from tq_cli.io.integrity import config_digest, manifest_digest
-from tq_cli.io.manifest import MANIFEST, quantization_config, write_json
+from tq_cli.io.manifest import quantization_config, write_json
 from tq_cli.io.output import PLAN_FILE, copy_other_files, swap_into_place
 from tq_cli.io.safetensors_reader import INDEX_NAME
 from tq_cli.io.writer import JOURNAL, file_sha256
-from tq_cli.planning.plan import FORMAT_VERSION, Plan
+from tq_cli.planning.plan import Plan
 from tq_cli.version import __version__
 
 
@@ -42,7 +43,7 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
                        "dtype": tp.info.dtype, "action": tp.action,
                        "keys": [k for k, _, _ in tp.keys],
                        "shards": sorted({plan.layout.slots[k].shard for k, _, _ in tp.keys})}
-        if tp.action == "quantize":
+        if tp.action == CONVERTED:
             assert tp.quant is not None and tp.rotation is not None
             share = (rot_bytes[tp.rotation_id] / plan.rotations[tp.rotation_id].users
                      if tp.rotation_id else 0.0)

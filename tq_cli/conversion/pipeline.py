@@ -12,7 +12,6 @@ torch (and tq's native fit) release the GIL in their kernels, so threads overlap
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tq_cli.errors import NonFiniteError
+from tq_cli.io.format import CONVERTED, stored_tensors
 from tq_cli.io.safetensors_reader import read_tensor, tensor_sha256
 from tq_cli.io.writer import ShardWriter
 from tq_cli.planning.plan import TensorPlan
@@ -151,7 +151,6 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
     q_read: queue.Queue = queue.Queue(maxsize=1)
     q_rot: queue.Queue = queue.Queue(maxsize=1)
     q_quant: queue.Queue = queue.Queue(maxsize=1)
-    delay = float(os.environ.get("TQ_DEBUG_TENSOR_DELAY", "0") or 0)  # tests kill mid-way
 
     def read_all() -> None:
         try:
@@ -251,8 +250,6 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             elif isinstance(item, _Quantized):
                 yield _write(item.plan, item.q, item.nonfinite, item.seconds, writer,
                              item.extra)
-            if delay:
-                time.sleep(delay)
     finally:
         # Every thread must be gone before the caller closes the shards they write to;
         # each notices `stop` within one chunk copy or one tensor's quantization.
@@ -263,7 +260,7 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
 
 def _write(tp: TensorPlan, q: QuantizedTensor, nonfinite: int, secs: float,
            writer: ShardWriter, extra: dict) -> Finished:
-    digests = {key: writer.write(key, t) for key, t in q.storage(tp.info.name).items()}
-    record = {"action": "quantize", "rel_error": q.rel_error, "nbytes": q.nbytes(),
+    digests = {key: writer.write(key, t) for key, t in stored_tensors(tp.info.name, q).items()}
+    record = {"action": CONVERTED, "rel_error": q.rel_error, "nbytes": q.nbytes(),
               "nonfinite": nonfinite, "seconds": round(secs, 4)} | extra
     return Finished(tp, digests, record)

@@ -15,12 +15,12 @@ import torch
 from safetensors import safe_open
 
 from tq_cli.errors import CorruptFileError, TqError
+from tq_cli.io.format import ROTATION_PREFIX, ConvertedEntry, converted_entries
 from tq_cli.io.integrity import verify_checkpoint, verify_shard_checksums
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME
 from tq_cli.quant.grouped import QuantizedTensor
-from tq_cli.quant.rotation import ROTATION_PREFIX, Rotation, rotation_from_tensors, verify
-from tq_cli.quant.spec import QuantSpec
+from tq_cli.quant.rotation import Rotation, rotation_from_tensors, verify
 
 
 class Checkpoint:
@@ -31,6 +31,8 @@ class Checkpoint:
         self.manifest = read_manifest(self.folder)
         verify_checkpoint(self.folder, self.manifest, checksums=verify_checksums)
         self.entries = {t["name"]: t for t in self.manifest["tensors"]}
+        self.converted: dict[str, ConvertedEntry] = {
+            e.name: e for e in converted_entries(self.manifest)}
         index = json.loads((self.folder / INDEX_NAME).read_text(encoding="utf-8"))
         self._where: dict[str, str] = dict(index["weight_map"])
         self._rotations: dict[str, Rotation] = {}
@@ -54,20 +56,17 @@ class Checkpoint:
         return self._rotations[rid]
 
     def quantized(self, name: str) -> QuantizedTensor:
-        e = self.entries.get(name)
-        if e is None or e["action"] != "quantize":
+        e = self.converted.get(name)
+        if e is None:
             raise TqError(f"{self.folder}: tensor '{name}' is not a converted tensor here")
-        rot_info = e["rotation"]
-        out, n = e["shape"]
-        rot = (self.rotation(rot_info["id"]) if rot_info["id"]
-               else Rotation("none", n, rot_info["block"], rot_info["seed"]))
+        rot = (self.rotation(e.rotation_id) if e.rotation_id
+               else Rotation("none", e.shape[1], e.block, e.seed))
+        stored = {suffix: self.tensor(key) for suffix, key in e.keys.items()}
         return QuantizedTensor(
-            shape=(out, n), spec=QuantSpec(**e["spec"]), rotation=rot,
-            codes=self.tensor(f"{name}.codes"), scales=self.tensor(f"{name}.scales"),
-            codebook=self.tensor(f"{name}.codebook"),
-            outlier_idx=self.tensor(f"{name}.outlier_idx"),
-            outlier_val=self.tensor(f"{name}.outlier_val"),
-            rel_error=e["rel_error"],
+            shape=e.shape, spec=e.spec, rotation=rot,
+            codes=stored["codes"], scales=stored["scales"], codebook=stored["codebook"],
+            outlier_idx=stored["outlier_idx"], outlier_val=stored["outlier_val"],
+            rel_error=e.rel_error if e.rel_error is not None else float("nan"),
         )
 
     def rotation_keys(self) -> list[str]:

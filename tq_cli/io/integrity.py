@@ -29,11 +29,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from tq_cli.errors import CorruptFileError, first_error
-from tq_cli.io.manifest import MANIFEST, QUANT_METHOD, loads_strict
+from tq_cli.io.format import (
+    GUARD_DTYPE,
+    GUARD_SHAPE,
+    MANIFEST,
+    QUANT_METHOD,
+    converted_entries,
+    rotation_key,
+)
+from tq_cli.io.manifest import loads_strict
 from tq_cli.io.safetensors_reader import DTYPES, INDEX_NAME, read_header
 from tq_cli.io.writer import file_sha256
-from tq_cli.quant.grouped import storage_layout
-from tq_cli.quant.rotation import ROTATION_PREFIX, material_layout, rotation_id
+from tq_cli.quant.rotation import material_layout, rotation_id
 from tq_cli.quant.spec import MAX_SEED, QuantSpec
 
 HOW = "the checkpoint was altered or damaged; convert again or re-download it"
@@ -116,6 +123,10 @@ def expected_storage(path: Path, m: ManifestSchema) -> dict[str, tuple[str, list
                                    f"'{owner}'); {HOW}")
         out[key] = (dtype, list(shape))
 
+    try:
+        converted = {e.name: e for e in converted_entries(m.model_dump())}
+    except ValueError as e:
+        raise CorruptFileError(f"{path}: {e}; {HOW}") from None
     for t in m.tensors:
         if t.dtype not in DTYPES or any(d < 0 for d in t.shape):
             raise CorruptFileError(f"{path}: tensor '{t.name}' has dtype '{t.dtype}' or shape "
@@ -123,36 +134,32 @@ def expected_storage(path: Path, m: ManifestSchema) -> dict[str, tuple[str, list
         if t.action == "keep":
             add(t.name, t.dtype, t.shape, t.name)
             continue
-        if t.spec is None or t.rotation is None or len(t.shape) != 2:
-            raise CorruptFileError(f"{path}: converted tensor '{t.name}' has no spec, no "
-                                   f"rotation or a shape that is not 2-D; {HOW}")
-        rot = t.rotation
-        if rot.kind == "none":
-            if rot.id is not None:
+        c = converted[t.name]
+        if c.rotation_kind == "none":
+            if c.rotation_id is not None:
                 raise CorruptFileError(f"{path}: tensor '{t.name}' has no rotation but names "
-                                       f"rotation '{rot.id}'; {HOW}")
+                                       f"rotation '{c.rotation_id}'; {HOW}")
         else:
-            want = rotation_id(rot.kind, t.shape[1], rot.block, rot.seed)
-            r = m.rotations.get(rot.id or "")
-            if rot.id != want or r is None or (r.kind, r.n, r.block, r.seed) != (
-                    rot.kind, t.shape[1], rot.block, rot.seed):
+            want = rotation_id(c.rotation_kind, c.shape[1], c.block, c.seed)
+            r = m.rotations.get(c.rotation_id or "")
+            if c.rotation_id != want or r is None or (r.kind, r.n, r.block, r.seed) != (
+                    c.rotation_kind, c.shape[1], c.block, c.seed):
                 raise CorruptFileError(
-                    f"{path}: tensor '{t.name}' names rotation '{rot.id}', which does not "
-                    f"match its kind, width, block and seed ('{want}'); {HOW}")
-        for suffix, (dtype, shape) in storage_layout(t.shape[0], t.shape[1], t.spec).items():
-            add(f"{t.name}.{suffix}", dtype, shape, t.name)
+                    f"{path}: tensor '{t.name}' names rotation '{c.rotation_id}', which does "
+                    f"not match its kind, width, block and seed ('{want}'); {HOW}")
+        for key, (dtype, shape) in c.storage().items():
+            add(key, dtype, shape, t.name)
     if m.guard is not None:
-        converted = {t.name for t in m.tensors if t.action == "quantize"}
         if m.guard not in converted:
             raise CorruptFileError(f"{path}: guard '{m.guard}' is not a converted tensor; "
                                    f"{HOW}")
-        add(m.guard, "U8", [0], "guard")
+        add(m.guard, GUARD_DTYPE, list(GUARD_SHAPE), "guard")
     for rid, r in m.rotations.items():
         if rid != rotation_id(r.kind, r.n, r.block, r.seed):
             raise CorruptFileError(f"{path}: rotation '{rid}' does not match its kind, width, "
                                    f"block and seed; {HOW}")
         for suffix, (dtype, shape) in material_layout(r.kind, r.n, r.block).items():
-            add(f"{ROTATION_PREFIX}{rid}.{suffix}", dtype, shape, rid)
+            add(rotation_key(rid, suffix), dtype, shape, rid)
     return out
 
 

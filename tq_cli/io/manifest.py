@@ -2,7 +2,8 @@
 
 The manifest is plain JSON: format and tq versions, the source fingerprint, the
 recipe and specs, per tensor what was done and where it is stored, and a sha256 per
-output shard. Readers refuse a newer format version by name.
+output shard. Readers refuse a newer format version by name. The format's names and
+versions are tq_cli.io.format's.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from tq_cli.errors import TqError
+from tq_cli.io.format import FORMAT_VERSION, MANIFEST, QUANT_METHOD, check_format_version
 
-MANIFEST = "tq_manifest.json"
-FORMAT_VERSION = 1
-QUANT_METHOD = "turboquant"
+__all__ = ["NotACheckpointError", "loads_strict", "quantization_config", "read_manifest",
+           "write_json"]
 
 
 class NotACheckpointError(TqError):
@@ -46,10 +47,7 @@ def read_manifest(folder: Path) -> dict:
     version = data.get("format_version")
     if not isinstance(version, int):
         raise NotACheckpointError(f"{path}: no format_version; the checkpoint is damaged")
-    if version > FORMAT_VERSION:
-        raise TqError(
-            f"{path}: format version {version} is newer than this tq reads "
-            f"({FORMAT_VERSION}); upgrade tq")
+    check_format_version(path, version)
     return data
 
 

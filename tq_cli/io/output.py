@@ -18,7 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tq_cli.errors import OutputError, TqError
-from tq_cli.io.manifest import MANIFEST, read_manifest
+from tq_cli.io.format import MANIFEST
+from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME, OTHER_WEIGHT_SUFFIXES
 from tq_cli.io.writer import Journal, ShardWriter
 

@@ -302,3 +302,10 @@ def copy_tensor_bytes(info: TensorInfo, dest_fd: int, dest_offset: int,
             h.update(chunk)
             done += len(chunk)
     return h.hexdigest()
+
+
+def read_weight(info: TensorInfo) -> torch.Tensor:
+    """A source weight in float32 with NaN/Inf as 0, as the pipeline quantizes it under
+    --allow-nonfinite (pre-passes that only score tensors never fail on them)."""
+    w = read_tensor(info).to(torch.float32)
+    return torch.where(torch.isfinite(w), w, torch.zeros_like(w))

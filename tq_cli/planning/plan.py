@@ -15,17 +15,23 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from tq_cli.errors import RecipeError, UnsupportedError, first_error
-from tq_cli.io.manifest import FORMAT_VERSION
+from tq_cli.io.format import (
+    CONVERTED,
+    FORMAT_VERSION,
+    GUARD_DTYPE,
+    GUARD_SHAPE,
+    rotation_key,
+    storage_layout,
+    stored_key,
+)
 from tq_cli.io.safetensors_reader import FLOAT_DTYPES, SourceModel, TensorInfo
 from tq_cli.io.writer import Layout, plan_layout
 from tq_cli.planning.recipe import Recipe
-from tq_cli.quant.grouped import storage_layout
-from tq_cli.quant.rotation import ROTATION_PREFIX, material_layout, resolve_block, rotation_id
+from tq_cli.quant.rotation import material_layout, resolve_block, rotation_id
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_cli.version import __version__
 
 Key = tuple[str, str, tuple[int, ...]]
-GUARD_DTYPE = "U8"
 # Embedding tables by the names transformers gives them; they are nn.Embedding, not
 # nn.Linear, so a converted one could never be loaded.
 EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_positions|word_embeddings|position_embeddings"
@@ -37,7 +43,7 @@ class TensorPlan:
     """What happens to one source tensor."""
 
     info: TensorInfo
-    action: str  # "quantize" | "keep"
+    action: str  # CONVERTED ("quantize") | "keep"
     quant: QuantSpec | None = None
     rotation: RotationSpec | None = None
     block: int = 0
@@ -74,7 +80,7 @@ class Plan:
 
     @property
     def converted(self) -> list[TensorPlan]:
-        return [t for t in self.tensors if t.action == "quantize"]
+        return [t for t in self.tensors if t.action == CONVERTED]
 
     def hash(self) -> str:
         desc = {
@@ -154,20 +160,20 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
             rid = rotation_id(rot.kind, n, block, rot.seed)
             users[rid] = users.get(rid, 0) + 1
             if rid not in rotations:
-                mat = tuple((f"{ROTATION_PREFIX}{rid}.{suffix}", dt, tuple(shape))
+                mat = tuple((rotation_key(rid, suffix), dt, tuple(shape))
                             for suffix, (dt, shape) in material_layout(rot.kind, n, block).items())
                 rotations[rid] = RotationPlan(rid, rot, n, block, mat, 0)
-        keys = tuple((f"{info.name}.{suffix}", dt, tuple(shape))
+        keys = tuple((stored_key(info.name, suffix), dt, tuple(shape))
                      for suffix, (dt, shape) in storage_layout(out, n, spec).items())
-        tensors.append(TensorPlan(info, "quantize", spec, rot, block, rid, keys))
+        tensors.append(TensorPlan(info, CONVERTED, spec, rot, block, rid, keys))
     rotations = {rid: RotationPlan(r.rotation_id, r.spec, r.n, r.block, r.keys, users[rid])
                  for rid, r in rotations.items()}
-    guard = next((t.info.name for t in tensors if t.action == "quantize"), None)
+    guard = next((t.info.name for t in tensors if t.action == CONVERTED), None)
     _check_collisions(source, tensors, rotations)
     plan = Plan(source, recipe, quant, rotation, tensors, rotations, guard=guard)
     groups = [list(r.keys) for r in rotations.values()] + [list(t.keys) for t in tensors]
     if guard is not None:
-        groups.append([(guard, GUARD_DTYPE, (0,))])
+        groups.append([(guard, GUARD_DTYPE, GUARD_SHAPE)])
     plan.layout = plan_layout(groups, max_shard_bytes,
                               metadata={"tq_format_version": str(FORMAT_VERSION)})
     return plan

@@ -1,5 +1,5 @@
-"""Quantize one tensor the way `convert` does: calibrated when the calibration file has
-statistics for it, data-free otherwise (with the reason, for a warning).
+"""Choose and run the fit of one tensor the way `convert` does: calibrated (GPTQ) when the
+calibration statistics cover it, data-free otherwise (with the reason, for a warning).
 
 Shared by the conversion pipeline and by the `--target-bits` pre-pass, so the errors the
 bit allocation sees are those of the quantization that will run.
@@ -8,12 +8,10 @@ bit allocation sees are those of the quantization that will run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from tq_cli.io.calibration import Calibration
-from tq_cli.io.safetensors_reader import TensorInfo, read_tensor
 from tq_cli.quant.gptq import (
     CalibrationUnusableError,
     quantize_calibrated,
@@ -26,11 +24,18 @@ from tq_cli.quant.rotation import Rotation
 from tq_cli.quant.spec import QuantSpec
 
 
+class Hessians(Protocol):
+    """Where the input statistics come from (a calibration file: tq_cli.io.calibration)."""
+
+    def hessian(self, tensor_name: str) -> torch.Tensor | None:
+        """E[x x^T] of the tensor's input, or None when it saw no calibration tokens."""
+
+
 @dataclass(frozen=True)
 class CalibOptions:
-    """A calibration file and how GPTQ uses it."""
+    """The calibration statistics and how GPTQ uses them."""
 
-    calibration: Calibration
+    calibration: Hessians
     damp: float = 0.01
     act_order: bool = False
 
@@ -65,10 +70,3 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
             reason = str(e)
     q = quantize_rotated(w_rot, spec, rotation, device)
     return TensorResult(q, {"calibrated": False, "fallback": reason}, None, reason)
-
-
-def read_weight(info: TensorInfo) -> torch.Tensor:
-    """A source weight in float32 with NaN/Inf as 0, as the pipeline quantizes it under
-    --allow-nonfinite (pre-passes that only score tensors never fail on them)."""
-    w = read_tensor(info).to(torch.float32)
-    return torch.where(torch.isfinite(w), w, torch.zeros_like(w))

@@ -33,7 +33,9 @@ FP16_MAX = 65504.0
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """A quantized weight: W ~ (dequantized codes + outliers) @ R.T."""
+    """A quantized weight: W ~ (dequantized codes + outliers) @ R.T.
+
+    Its stored keys, dtypes and shapes are format v1's, named in tq_cli.io.format."""
 
     shape: tuple[int, int]
     spec: QuantSpec
@@ -45,19 +47,10 @@ class QuantizedTensor:
     outlier_val: torch.Tensor  # float16 [k], added to the dequantized value there
     rel_error: float  # ||W - W_hat||^2 / ||W||^2, measured in the rotated space
 
-    def storage(self, name: str) -> dict[str, torch.Tensor]:
-        """The tensors format v1 stores for weight `name` (rotation material is separate)."""
-        return {
-            f"{name}.codes": self.codes,
-            f"{name}.scales": self.scales,
-            f"{name}.codebook": self.codebook,
-            f"{name}.outlier_idx": self.outlier_idx,
-            f"{name}.outlier_val": self.outlier_val,
-        }
-
     def nbytes(self) -> int:
         """Bytes of codes, scales, codebook and outliers (not the rotation material)."""
-        return sum(t.numel() * t.element_size() for t in self.storage("w").values())
+        return sum(t.numel() * t.element_size() for t in
+                   (self.codes, self.scales, self.codebook, self.outlier_idx, self.outlier_val))
 
 
 def group_count(n: int, group_size: int) -> int:
@@ -67,18 +60,6 @@ def group_count(n: int, group_size: int) -> int:
 def outlier_count(numel: int, fraction: float) -> int:
     """How many entries are kept exactly; fixed by shape so outputs can be planned."""
     return math.floor(numel * fraction)
-
-
-def storage_layout(out: int, n: int, spec: QuantSpec) -> dict[str, tuple[str, list[int]]]:
-    """suffix -> (safetensors dtype, shape) of the stored tensors, known before compute."""
-    k = outlier_count(out * n, spec.outliers)
-    return {
-        "codes": ("U8", [out, packed_row_bytes(n, spec.bits)]),
-        "scales": ("F16", [out, group_count(n, spec.group_size)]),
-        "codebook": ("F32", [1 << spec.bits]),
-        "outlier_idx": ("I32", [k]),
-        "outlier_val": ("F16", [k]),
-    }
 
 
 def quantize(weight: torch.Tensor, spec: QuantSpec,

@@ -25,9 +25,10 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.checkpoint import check_checkpoint
-from tq_cli.io.manifest import QUANT_METHOD, read_manifest
+from tq_cli.io.format import FORMAT_VERSION, QUANT_METHOD, converted_entries
+from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import DTYPES, read_header
-from tq_cli.runtime.tq_linear import PACKED, RotationMaterial, TQLinear
+from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
 
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -35,7 +36,8 @@ Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 class TurboQuantConfig(QuantizationConfigMixin):
     """config.json's `quantization_config` for quant_method "turboquant" (format v1)."""
 
-    def __init__(self, bits: int = 4, group_size: int = 128, format_version: int = 1,
+    def __init__(self, bits: int = 4, group_size: int = 128,
+                 format_version: int = FORMAT_VERSION,
                  modules_to_not_convert: list[str] | None = None, **kwargs: Any) -> None:
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]
         self.format_version = format_version
@@ -59,24 +61,22 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
     manifest = read_manifest(folder)
     prefix = getattr(model, "base_model_prefix", "")
     modules = dict(model.named_modules())
-    for e in manifest["tensors"]:
-        if e["action"] != "quantize":
-            continue
-        ck = e["name"].removesuffix(".weight")
+    for e in converted_entries(manifest):
+        ck = e.module
         name = next((n for n in (ck, f"{prefix}.{ck}", ck.removeprefix(prefix + "."))
                      if n in modules), None)
         if name is None or not isinstance(modules[name], nn.Linear):
             found = type(modules[name]).__name__ if name is not None else "no module"
             raise UnsupportedError(
-                f"{folder}: converted tensor '{e['name']}' belongs to {found}, not an "
+                f"{folder}: converted tensor '{e.name}' belongs to {found}, not an "
                 f"nn.Linear of {type(model).__name__}; tq can only run converted nn.Linear "
                 "layers, so convert this model with a recipe that keeps that tensor")
         old = modules[name]
-        specs = {s: headers[f"{ck}.weight.{s}"] for s in PACKED}
+        specs = {suffix: headers[key] for suffix, key in e.keys.items()}
         bias = headers.get(f"{ck}.bias") if old.bias is not None else None
-        layer = TQLinear(old.in_features, old.out_features, bits=e["spec"]["bits"],
-                         group_size=e["spec"]["group_size"], specs=specs, bias=bias)
-        layer.tq_rotation_id = e["rotation"]["id"]
+        layer = TQLinear(old.in_features, old.out_features, bits=e.spec.bits,
+                         group_size=e.spec.group_size, specs=specs, bias=bias)
+        layer.tq_rotation_id = e.rotation_id
         model.set_submodule(name, layer)
     rotations = {}
     for rid, info in manifest.get("rotations", {}).items():

@@ -13,41 +13,20 @@ import json
 import logging
 import os
 from collections import Counter
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from tq_cli.device import resolve_device
-from tq_cli.errors import CorruptFileError, SourceError, TqError
+from tq_cli.errors import CorruptFileError, TqError
 from tq_cli.io.checkpoint import check_checkpoint
+from tq_cli.io.format import converted_entries
 from tq_cli.io.source import resolve_source
+from tq_cli.runtime.hf_models import model_class
 from tq_cli.runtime.tq_linear import TQLinear
 from tq_kernels import cpu as cpu_kernel
 
 log = logging.getLogger("tq")
-
-
-def quiet_transformers() -> None:
-    """tq draws its own progress on stderr; transformers' per-load bars only add noise."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
-def model_class(config: dict) -> Any:
-    import transformers
-
-    quiet_transformers()
-
-    for arch in config.get("architectures") or []:
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
-            return cls
-    if config.get("is_decoder") or "CausalLM" in str(config.get("architectures")):
-        return transformers.AutoModelForCausalLM
-    return transformers.AutoModel
 
 
 def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | None = None,
@@ -70,11 +49,10 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
     folder = resolve_source(path_or_hub_id)
     ck = check_checkpoint(folder, verify_checksums)
     try:
-        from tq_cli.runtime import hf_quantizer
+        from tq_cli.runtime.hf_quantizer import register
     except ImportError as e:
         raise TqError("loading a tq checkpoint needs transformers: pip install 'tq[models]'") from e
-    hf_quantizer.register()
-    import json
+    register()
 
     config = json.loads((folder / "config.json").read_text())
     cls = model_class(config)
@@ -86,7 +64,7 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
         raise CorruptFileError(f"{folder}: tensors missing from the checkpoint: "
                                f"{', '.join(leftovers[:5])}")
     layers = [m for m in model.modules() if isinstance(m, TQLinear)]
-    converted = sum(1 for e in ck.manifest["tensors"] if e["action"] == "quantize")
+    converted = len(converted_entries(ck.manifest))
     if len(layers) != converted:
         # transformers would have initialised the missing layers at random: never return that.
         raise CorruptFileError(
@@ -118,42 +96,3 @@ def report(model: nn.Module) -> dict:
             "cpu_gemm": cpu_kernel.gemm_precision() if on_cpu else None,
             "packed_bytes": packed, "rotation_bytes": rot, "tq_bytes": packed + rot,
             "fp16_bytes": fp16}
-
-
-def load_tokenizer(folder: Path) -> Any:
-    """The folder's tokenizer through transformers, or a one-line SourceError saying what
-    to copy there (transformers' own errors run to many lines)."""
-    from transformers import AutoTokenizer
-
-    quiet_transformers()
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise SourceError(f"{folder}: no usable tokenizer ({first}); copy the model's "
-                          "tokenizer files (tokenizer.json, tokenizer_config.json) into "
-                          "it") from None
-
-
-def load_plain(folder: Path, device: torch.device,
-               dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A model folder that is not a tq checkpoint, through transformers, in eval mode."""
-    cfg = folder / "config.json"
-    try:
-        config = json.loads(cfg.read_text(encoding="utf-8"))
-        if not isinstance(config, dict):
-            raise ValueError
-    except FileNotFoundError:
-        raise SourceError(f"{folder}: no config.json; pass a model folder or a tq "
-                          "checkpoint") from None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise CorruptFileError(f"{cfg}: not a JSON object of settings; re-download it") \
-            from None
-    cls = model_class(config)
-    try:
-        model = cls.from_pretrained(folder, dtype=dtype)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise SourceError(f"{folder}: transformers cannot load this model ({first}); pass a "
-                          "folder with config.json and safetensors weights") from None
-    return model.to(device).eval()

@@ -3,9 +3,10 @@
 forward(x) = grouped_matmul(x @ R, codes, scales, codebook) + outliers + bias, dispatched
 by tq_kernels.dispatch: Triton on CUDA, one call of tq's native kernel on CPU (rotation,
 packed matmul, outliers and bias fused), the torch reference where neither is available
-or TQ_FORCE_REFERENCE is set. State-dict keys match format v1: the packed tensors
-live in a child module named `weight` (`X.weight.codes`, ...), and the rotation
-material in a shared `model.tq.rotation[<id>]` module that layers only reference.
+or TQ_FORCE_REFERENCE is set. State-dict keys match format v1 (tq_cli.io.format): the
+packed tensors live in a child module named `weight` (`X.weight.codes`, ...), one buffer
+per stored suffix, and the rotation material in a shared `model.tq.rotation[<id>]` module
+that layers only reference.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from torch import nn
 from tq_kernels import dispatch
 from tq_kernels.reference import dequantize_codes
 
-PACKED = ("codes", "scales", "codebook", "outlier_idx", "outlier_val")
 _warned_fallback = False
 
 
@@ -61,6 +61,8 @@ class RotationMaterial(nn.Module):
 
 class TQLinear(nn.Module):
     """y = x W^T + b with W stored as TurboQuant codes (format v1)."""
+
+    tq_rotation_id: str | None = None  # the shared rotation material's id, set on loading
 
     def __init__(self, in_features: int, out_features: int, *, bits: int, group_size: int,
                  specs: dict[str, tuple[tuple[int, ...], torch.dtype]],

@@ -37,12 +37,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from tq_cli.device import Device, resolve_device
 from tq_cli.errors import SeedSearchError
 from tq_cli.io.manifest import write_json
-from tq_cli.io.safetensors_reader import SourceModel, open_source
+from tq_cli.io.safetensors_reader import SourceModel, read_weight
 from tq_cli.io.seeds import SEEDS_FORMAT
-from tq_cli.io.source import resolve_source
-from tq_cli.planning.plan import TensorPlan, make_plan
-from tq_cli.planning.recipe import resolve_recipe
-from tq_cli.quant.choose import CalibOptions, quantize_tensor, read_weight
+from tq_cli.planning.plan import TensorPlan
+from tq_cli.planning.prepare import plan_source
+from tq_cli.quant.choose import CalibOptions, quantize_tensor
 from tq_cli.quant.grouped import dequantize_rotated, quantize_rotated
 from tq_cli.quant.rotation import Rotation, make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec
@@ -201,17 +200,11 @@ def search(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: Se
     """Run this rank's share of the search; rank 0 writes and returns the SEEDS document."""
     comm = comm or Comm()
     t0 = time.perf_counter()
-    folder = resolve_source(source)
-    model = open_source(folder)
-    recipe = resolve_recipe(spec.recipe, model.config)
-    plan = make_plan(model, recipe, spec.quant, spec.rotation)
-    tensors = plan.converted
-    if not tensors:
-        raise SeedSearchError(f"{folder}: no tensor matches a quantize rule of recipe "
-                              f"'{recipe.name}'; pass --recipe with one that fits this model")
     if spec.rotation.kind == "none":
         raise SeedSearchError("--rotation none has no seed to search; pass --rotation "
                               "hadamard or orthogonal")
+    planned = plan_source(source, spec.recipe, spec.quant, spec.rotation)
+    model, tensors = planned.model, planned.plan.converted
     calib = None
     calib_sha = None
     if spec.objective == "calib":

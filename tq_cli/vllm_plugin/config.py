@@ -46,7 +46,14 @@ from vllm.utils.torch_utils import direct_register_custom_op
 import tq_cli.vllm_plugin.split as split
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.checkpoint import check_checkpoint
-from tq_cli.io.manifest import QUANT_METHOD, read_manifest
+from tq_cli.io.format import (
+    QUANT_METHOD,
+    ROTATION_PREFIX,
+    SUFFIXES,
+    converted_entries,
+    stored_key,
+)
+from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME
 from tq_cli.io.source import resolve_source
 from tq_kernels import dispatch
@@ -54,13 +61,13 @@ from tq_kernels.packing import packed_row_bytes
 from tq_kernels.reference import Material
 
 METHOD = "tq"
-FIELDS = ("codes", "scales", "codebook", "outlier_idx", "outlier_val")
 QKV = ("q", "k", "v")
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """One converted weight, from the manifest (module-level: the engine pickles it)."""
+class LayerInfo:
+    """One converted linear layer as vLLM builds it, from the manifest (module-level: the
+    engine pickles it)."""
 
     bits: int
     group_size: int
@@ -87,7 +94,7 @@ class Part:
     """One logical weight of a (possibly merged) layer on this rank."""
 
     name: str
-    info: TensorInfo
+    info: LayerInfo
     rows: tuple[int, int]  # of the full weight, held by this rank
     cols: tuple[int, int]
     offset: int  # first row of this part in the layer's local storage
@@ -106,7 +113,7 @@ class TQConfig(QuantizationConfig):
         super().__init__()
         self.quantization_config = dict(quantization_config)
         self.folder: str | None = None
-        self.tensors: dict[str, TensorInfo] = {}
+        self.tensors: dict[str, LayerInfo] = {}
         self.rotations: dict[str, RotationInfo] = {}
         self.guard: str | None = None
 
@@ -147,15 +154,11 @@ class TQConfig(QuantizationConfig):
         weight_map = _weight_map(folder)
         self.folder = str(folder.resolve())
         self.guard = manifest.get("guard")
-        self.tensors = {}
-        for e in manifest["tensors"]:
-            if e["action"] != "quantize":
-                continue
-            out, n = e["shape"]
-            rot = e["rotation"]
-            self.tensors[e["name"].removesuffix(".weight")] = TensorInfo(
-                bits=e["spec"]["bits"], group_size=e["spec"]["group_size"],
-                out_features=out, in_features=n, rotation=rot["id"], block=rot["block"])
+        self.tensors = {
+            e.module: LayerInfo(bits=e.spec.bits, group_size=e.spec.group_size,
+                                 out_features=e.shape[0], in_features=e.shape[1],
+                                 rotation=e.rotation_id, block=e.block)
+            for e in converted_entries(manifest)}
         self.rotations = {
             rid: RotationInfo(info["kind"], info["n"], info["block"],
                               {k.rsplit(".", 1)[1]: (weight_map[k], k) for k in info["keys"]})
@@ -179,8 +182,9 @@ class TQConfig(QuantizationConfig):
             drop[re.compile(rf"^{re.escape(self.guard)}$")] = None
         return WeightsMapper(
             orig_to_new_regex=drop,
-            orig_to_new_prefix={"tq.rotation.": None},
-            orig_to_new_suffix={f".weight.{f}": f".tq_{f}" for f in FIELDS})
+            orig_to_new_prefix={ROTATION_PREFIX: None},
+            # X.weight.codes -> X.tq_codes, and so on for every stored suffix
+            orig_to_new_suffix={stored_key(".weight", s): f".tq_{s}" for s in SUFFIXES})
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
         if not isinstance(layer, LinearBase):

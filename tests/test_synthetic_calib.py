@@ -1,4 +1,4 @@
-"""convert --synthetic-calib: data-free calibration from random tokens (issue 20)."""
+"""convert --synthetic-calib: data-free calibration from random tokens."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.io.calibration import read_calibration
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import open_source
+from tq_cli.planning import plan as planning_plan
+from tq_cli.planning.prepare import plan_source
 from tq_cli.quant.spec import QuantSpec
 
 runner = CliRunner()
@@ -65,7 +67,7 @@ def test_synthetic_calibration_lowers_the_output_error(model: str, tmp_path: Pat
     # The same draw again (same seed) for the Hessians the conversion used.
     folder = tmp_path / "again"
     folder.mkdir()
-    path, record = synthetic_calibration(source, src.config, TOKENS, 0, folder, "cpu", None)
+    path, record = synthetic_calibration(plan_source(source, None), TOKENS, 0, folder, "cpu")
     assert record["text_sha256"] == cal["text_sha256"]
     calib = read_calibration(path)
     e_free, e_syn = weighted_errors(free, calib), weighted_errors(syn, calib)
@@ -102,3 +104,35 @@ def test_synthetic_calib_cli(tiny_llama: Path, tmp_path: Path) -> None:
                             "--synthetic-calib", "-5"])
     assert r.exit_code == 2 and "--synthetic-calib" in r.output
     assert not (tmp_path / "p").exists()
+
+
+def test_one_convert_plans_the_source_once(tiny_llama: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Source, recipe and plan are made once and shared with the calibration forward."""
+    calls: list[int] = []
+    real = planning_plan.make_plan
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("tq_cli.planning.prepare.make_plan", counting)
+    convert(tiny_llama, tmp_path / "o", ConvertSpec(quant=QUANT, device="cpu",
+                                                    synthetic_calib=256))
+    assert len(calls) == 1
+
+
+def test_synthetic_calib_without_transformers_is_one_line(tiny_llama: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    r = runner.invoke(app, ["convert", str(tiny_llama), "-o", str(tmp_path / "o"),
+                            "--synthetic-calib", "256"])
+    assert r.exit_code == 1
+    assert ("--synthetic-calib runs the model on random tokens and needs transformers, which "
+            "is not installed: pip install 'tq[models]'") in " ".join(r.output.split())
+    assert not (tmp_path / "o").exists()
