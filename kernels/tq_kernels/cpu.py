@@ -60,11 +60,6 @@ def _require() -> None:
         raise RuntimeError(f"tq's CPU kernel is unavailable: {_built().error}")
 
 
-def compile_seconds() -> float:
-    """Seconds this process spent compiling the kernel (0.0 if it came from the cache)."""
-    return _built().compile_s
-
-
 @functools.lru_cache(maxsize=1)
 def _cap() -> int:
     _require()

@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +45,6 @@ class Built:
     """The outcome of `load()`: a loaded library, or why there is none."""
 
     path: Path | None
-    compile_s: float  # 0.0 when the cached library was used
     error: str | None = None
 
 
@@ -130,14 +128,12 @@ def load(main: str = MAIN) -> Built:
     """Load the cached library built from `main` (MAIN or FIT), compiling it first if
     needed; never raises."""
     with _lock:
-        t0 = time.perf_counter()
         cxx = compiler()
         if cxx is None:
-            return Built(None, 0.0, "no C++ compiler found (install g++ or set CXX)")
+            return Built(None, "no C++ compiler found (install g++ or set CXX)")
         try:
             target = cache_dir() / f"{Path(main).stem}-{build_key(cxx, main)}.so"
-            compiled = not target.exists()
-            if compiled:
+            if not target.exists():
                 try:
                     _compile(cxx, target, main)
                 except OSError:  # an unwritable cache: build for this process only
@@ -145,5 +141,5 @@ def load(main: str = MAIN) -> Built:
                     _compile(cxx, target, main)
             torch.ops.load_library(str(target))
         except Exception as e:  # a failed build must never stop a model from running
-            return Built(None, 0.0, str(e) or type(e).__name__)
-        return Built(target, time.perf_counter() - t0 if compiled else 0.0)
+            return Built(None, str(e) or type(e).__name__)
+        return Built(target)

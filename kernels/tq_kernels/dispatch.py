@@ -28,10 +28,6 @@ def _triton() -> ModuleType | None:
     return triton_kernels
 
 
-def triton_available() -> bool:
-    return _triton() is not None
-
-
 def _forced_reference() -> bool:
     return bool(os.environ.get("TQ_FORCE_REFERENCE"))
 
