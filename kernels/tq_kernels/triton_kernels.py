@@ -63,7 +63,7 @@ def _grouped_matmul_kernel(
 _DOT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Above this many rows the fused kernel's advantage (reading 4-bit weights instead of
 # fp16) is outweighed by cuBLAS's tensor-core efficiency, so the weight is dequantized
-# once and multiplied with F.linear. Not yet tuned on a GPU; see scripts/gpu_bench.py.
+# once and multiplied with F.linear. Not yet tuned on a GPU; see scripts/gpu_check.sh.
 DEQUANT_ABOVE_ROWS = 64
 
 

@@ -2,9 +2,9 @@
 
 The default is Python's own documentation, `pydoc_data.topics.topics` (about 80 long
 English documents that every Python install has). Its keys are sorted and split in
-two: the first half is calibration text, the second half evaluation text, so the two
-never share a document (MODELS.md). Its contents follow the Python version, which is
-recorded with the text's sha256 wherever a number depends on it.
+two: the first half is calibration text, the second half evaluation text, so a model is
+never scored on a document it was calibrated on. Its contents follow the Python version,
+which is recorded with the text's sha256 wherever a number depends on it.
 """
 
 from __future__ import annotations

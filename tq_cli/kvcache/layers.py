@@ -1,7 +1,7 @@
 """transformers cache layers that keep keys and values as TurboQuant codes.
 
 A layer holds, per stream: the first `sinks` tokens and the most recent `window` tokens in
-full precision, and every other token as codes (`kvcache.quantizer`) in a `TokenStore`.
+full precision, and every other token as codes (`kvcache.codec`) in a `TokenStore`.
 A token is encoded exactly once, when it leaves the window, and its codes are never
 re-quantized (transformers' own `QuantizedLayer` re-quantizes its whole cache each time
 its residual fills, which compounds error). Tokens given to an `update` are returned at

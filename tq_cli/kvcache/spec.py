@@ -6,8 +6,8 @@ round(f * head_dim) channels at n + 1 bits and the rest at n bits (the paper's o
 channel split, Zandieh et al. 2025, Section 4.3). `resolve_bits` turns one average
 `bits` into per-stream bits under either policy: "kv" moves bits from values to keys
 (4 -> keys 5, values 3; 3.5 -> keys 4, values 3; keys are the sensitive stream),
-"outlier" gives both streams the same fractional bits. Measured on SmolLM2 (see the
-README), "kv" is the default, and at 4 bits K5/V3 beats K4/V4.
+"outlier" gives both streams the same fractional bits. Measured on SmolLM2 (see
+docs/results.md), "kv" is the default, and at 4 bits K5/V3 beats K4/V4.
 """
 
 from __future__ import annotations

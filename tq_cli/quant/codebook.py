@@ -2,7 +2,7 @@
 
 - `lloyd-max`: the MSE-optimal quantizer for N(0,1) (Lloyd 1982, Max 1960), computed by
   Lloyd's iteration on the Gaussian density. Rotated weights are close to Gaussian, so
-  this is the starting point; `quantizer` then refines it per tensor (1-D k-means).
+  this is the starting point; `grouped` then refines it per tensor (1-D k-means).
 - `uniform`: symmetric levels spanning [-1, 1]; with absmax scales this is plain
   round-to-nearest on a symmetric min-max grid.
 """

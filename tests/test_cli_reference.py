@@ -1,0 +1,36 @@
+"""docs/cli.md is the `--help` of every command as the CLI prints it now
+(scripts/cli_reference.py renders it; run that script after changing a command's help)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("cli_reference",
+                                                  ROOT / "scripts" / "cli_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_reference_is_current() -> None:
+    ref = _script()
+    page = ref.render()
+    assert (ROOT / "docs" / "cli.md").read_text(encoding="utf-8") == page, (
+        "docs/cli.md is out of date: run python scripts/cli_reference.py")
+
+
+def test_cli_reference_covers_every_command() -> None:
+    ref = _script()
+    page = ref.render()
+    for command in ref._commands():
+        assert f"## `tq {command}`" in page
+        assert f"Usage: tq {command} [OPTIONS]" in page
+    assert "\x1b[" not in page
+    assert max(len(line) for line in page.splitlines()) <= ref.WIDTH
