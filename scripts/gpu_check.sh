@@ -23,7 +23,7 @@ if [ "${VLLM_CHECK:-1}" = "1" ]; then
       | tee "$out/vllm_tests.txt"
   fi
 fi
-# Conversion (issue 19): the whole fit runs on the GPU with --device cuda. A synthetic bf16
+# Conversion: the whole fit runs on the GPU with --device cuda. A synthetic bf16
 # Llama-3.2-1B-shaped model (4 layers; no download needed), converted on CUDA and on this
 # machine's CPUs, each against a plain safetensors load+save of the same shards, with the
 # child's peak RSS; then tq's conversion tests on CUDA tensors.

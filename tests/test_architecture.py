@@ -174,3 +174,13 @@ def test_modules_stay_small() -> None:
                                                  *(ROOT / "kernels").rglob("*.py")]
            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
     assert big == {}
+
+
+def test_every_name_a_package_face_offers_resolves() -> None:
+    import importlib
+
+    for p in sorted(PACKAGE.rglob("__init__.py")):
+        name = ".".join(p.relative_to(ROOT).parent.parts)
+        face = importlib.import_module(name)
+        for attr in getattr(face, "__all__", []):
+            assert getattr(face, attr) is not None, f"{name}.{attr}"

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from tq_cli.app import app
 from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.errors import TqError
-from tq_cli.evaluation.compare import EvalSpec, evaluate, spearman, windows
-from tq_cli.evaluation.sweep import parse_sweep, with_rtn
+from tq_cli.evaluation.compare import evaluate, spearman, windows
+from tq_cli.evaluation.spec import EvalSpec, parse_sweep, with_rtn
 from tq_cli.io.text import Text, calibration_text, evaluation_text
 from tq_cli.quant.spec import QuantSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -56,10 +56,6 @@ def one_line(e: BaseException) -> tuple[str, int]:
     first = (str(e).strip().splitlines() or [""])[0][:200]
     return (f"internal error: {type(e).__name__}: {first} (a bug in tq; rerun with "
             "TQ_DEBUG=1 for the traceback and report it)"), 1
-
-
-def run_library(fn: Callable[[], Any]) -> Any:  # TEMPORARY until eval.py is rewritten
-    return fn()
 
 
 def quant_option(flag: str) -> Any:

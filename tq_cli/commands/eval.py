@@ -1,23 +1,19 @@
-"""`tq eval`: compare a candidate with its reference, or sweep conversion settings."""
+"""`tq eval`: flags -> the mode's spec (tq_cli.commands.eval_modes) -> the library -> a
+table or --json. Modes: the quality comparison (the default), the KV cache (--kv-bits,
+--needle) and the sweep (--sweep)."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.progress import Progress
 from rich.table import Table
 
-from tq_cli.commands._common import (
-    bound_heap_growth,
-    emit_json,
-    progress_bar,
-    run_library,
-    stderr,
-    stdout,
-)
+from tq_cli.commands._common import bound_heap_growth, emit_json, progress_bar, stdout
+from tq_cli.commands.eval_modes import spec_from_flags
+from tq_cli.evaluation.spec import CompareSpec, KVEvalSpec, SweepSpec
+from tq_cli.io.text import Text, read_text
 
 HELP = "Measure what quantization costs: perplexity, KL and agreement, or embedding fidelity."
 EPILOG = """Examples:
@@ -37,11 +33,8 @@ or k<bits>, v<bits>, k<bits>v<bits> (a stream not named stays full precision).
 """
 
 
-def _progress() -> contextlib.AbstractContextManager[Progress]:
-    return progress_bar()
-
-
 def main(
+    ctx: typer.Context,
     candidate: str = typer.Argument(..., help="tq checkpoint, model folder or hub id "
                                               "(with --sweep: the source to convert)."),
     reference: str | None = typer.Option(None, "--reference",
@@ -96,42 +89,53 @@ def main(
     needle_seeds: int = typer.Option(2, "--needle-seeds", help="Passkeys per length and "
                                      "depth (5 depths)."),
 ) -> None:
-    from tq_cli.evaluation.compare import EvalSpec
-    from tq_cli.io.text import read_text
-
-    if device not in ("auto", "cpu", "cuda"):
-        stderr.print(f"[bold red]usage error:[/] --device: '{device}' is not auto, cpu or cuda")
-        raise typer.Exit(code=2)
-    kv = kv_bits is not None or needle
-    spec = EvalSpec(context=context or (2048 if kv else 512), stride=stride,
-                    max_tokens=max_tokens or None, device=device)
-    body = run_library(lambda: read_text(text))
-    if kv:
-        options = {"rotation": kv_rotation, "qjl": kv_qjl, "sliding": kv_sliding,
-                   "full_precision_layers": _ints(kv_full_layers, "--kv-full-layers")}
-        given = {"sinks": kv_sinks, "center_keys": kv_center_keys, "rescale": kv_rescale}
-        options.update({k: v for k, v in given.items() if v is not None})
-        _kv(candidate, body, spec, kv_bits or "", kv_window, kv_split, options, kv_chunk,
-            kv_compare, needle, needle_lengths, needle_seeds, as_json)
-        return
-    if sweep is not None:
+    spec = spec_from_flags(ctx)  # exit 2 with one line for a flag the mode does not read
+    if isinstance(spec, KVEvalSpec):
+        _kv(candidate, read_text(text) if spec.bits else None, spec, as_json)
+    elif isinstance(spec, SweepSpec):
         bound_heap_growth()  # a sweep converts one checkpoint after another
-        _sweep(candidate, sweep, rtn, body, spec, scratch, as_json)
-        return
-    from tq_cli.evaluation.compare import evaluate
-    from tq_cli.evaluation.compare import write_card as record
+        _sweep(candidate, read_text(text), spec, as_json)
+    else:
+        _compare(candidate, read_text(text), spec, as_json)
 
-    with _progress() as bar:
+
+def _compare(candidate: str, text: Text, spec: CompareSpec, as_json: bool) -> None:
+    from tq_cli.evaluation.compare import run_compare
+
+    with progress_bar() as bar:
         task = bar.add_task("windows", total=None)
-        result = run_library(lambda: evaluate(
-            candidate, reference, body, spec,
-            progress=lambda done, total: bar.update(task, completed=done, total=total)))
-    if write_card:
-        run_library(lambda: record(Path(result["candidate"]), result))
+        result = run_compare(candidate, text, spec, progress=lambda done, total: bar.update(
+            task, completed=done, total=total))
     if as_json:
         emit_json(result)
     else:
         stdout.print(result_table(result))
+
+
+def _sweep(source: str, text: Text, spec: SweepSpec, as_json: bool) -> None:
+    from tq_cli.evaluation.sweep import evaluate_sweep
+
+    with progress_bar() as bar:
+        task = bar.add_task("combinations", total=len(spec.combinations()))
+        result = evaluate_sweep(source, text, spec, on_row=lambda row, done, total: bar.update(
+            task, completed=done))
+    if as_json:
+        emit_json(result)
+    else:
+        stdout.print(sweep_table(result["rows"]))
+
+
+def _kv(candidate: str, text: Text | None, spec: KVEvalSpec, as_json: bool) -> None:
+    from tq_cli.evaluation.kv import evaluate_kv
+
+    with progress_bar() as bar:
+        task = bar.add_task("kv cache", total=None)
+        result = evaluate_kv(candidate, text, spec, progress=lambda done, total: bar.update(
+            task, completed=done, total=total))
+    if as_json:
+        emit_json(result)
+    else:
+        stdout.print(kv_table(result))
 
 
 def result_table(r: dict[str, Any]) -> Table:
@@ -161,24 +165,6 @@ def result_table(r: dict[str, Any]) -> Table:
     return t
 
 
-def _sweep(source: str, grid: str, rtn: bool, text: Any, spec: Any, scratch: Path | None,
-           as_json: bool) -> None:
-    from tq_cli.evaluation.sweep import parse_sweep, run_sweep, with_rtn
-
-    combos = run_library(lambda: parse_sweep(grid))
-    if rtn:
-        combos = with_rtn(combos)
-    with _progress() as bar:
-        task = bar.add_task("combinations", total=len(combos))
-        rows = run_library(lambda: run_sweep(
-            source, combos, text, spec, scratch,
-            on_row=lambda row, done, total: bar.update(task, completed=done)))
-    if as_json:
-        emit_json({"source": source, "grid": grid, "rows": rows})
-        return
-    stdout.print(sweep_table(rows))
-
-
 def sweep_table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="tq eval --sweep")
     keys = sorted({k for r in rows for k in r["settings"]})
@@ -200,50 +186,6 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
         t.caption = (f"reference perplexity {rows[0]['metrics']['reference_perplexity']:.3f} "
                      f"on {rows[0]['metrics']['scored_tokens']} tokens")
     return t
-
-
-
-
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        stderr.print(f"[bold red]usage error:[/] {flag}: '{text}' is not a list of integers")
-        raise typer.Exit(code=2) from None
-
-
-def _kv(candidate: str, body: Any, spec: Any, items: str, window: int, split: str,
-        options: dict[str, Any], chunk: int, compare: str, needle: bool, lengths: str,
-        seeds: int, as_json: bool) -> None:
-    from tq_cli.evaluation.kv import KVEvalSpec, evaluate_kv, parse_settings
-    from tq_cli.evaluation.needle import NeedleSpec
-
-    if split not in ("kv", "outlier"):
-        stderr.print(f"[bold red]usage error:[/] --kv-split: '{split}' is not kv or outlier")
-        raise typer.Exit(code=2)
-    for flag, key, allowed in (("--kv-rotation", "rotation", ("hadamard", "orthogonal")),
-                               ("--kv-sliding", "sliding", ("full", "quantize")),
-                               ("--kv-rescale", "rescale", ("none", "norm", "unbiased"))):
-        if key in options and options[key] not in allowed:
-            stderr.print(f"[bold red]usage error:[/] {flag}: '{options[key]}' is not "
-                         f"{' or '.join(allowed)}")
-            raise typer.Exit(code=2)
-    backends = tuple(b.strip() for b in compare.split(",") if b.strip())
-    settings = (run_library(lambda: parse_settings(items, window, split,  # type: ignore[arg-type]
-                                                   backends, **options)) if items else [])
-    needle_spec = (NeedleSpec(lengths=_ints(lengths, "--needle-lengths"),
-                              seeds=tuple(range(seeds))) if needle else None)
-    kv_spec = KVEvalSpec(context=spec.context, chunk=chunk, needle=needle_spec)
-    with _progress() as bar:
-        task = bar.add_task("kv cache", total=None)
-        result = run_library(lambda: evaluate_kv(
-            candidate, body, settings, spec, kv_spec,
-            progress=lambda done, total: bar.update(task, completed=done, total=total)))
-    if as_json:
-        emit_json(result)
-    else:
-        stdout.print(kv_table(result))
-
 
 def kv_table(r: dict[str, Any]) -> Table:
     m, s = r["metrics"], r["settings"]

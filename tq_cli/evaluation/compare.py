@@ -5,12 +5,12 @@ candidate's next-token distribution from the reference's, and top-1 agreement, o
 windows of `context` tokens (non-overlapping by default; `stride` for sliding windows).
 Encoders: mean-pooled, normalised embeddings of the text's paragraphs; cosine to the
 reference's (mean, min) and the Spearman correlation of the two pairwise-similarity
-matrices. Only one window's logits of each model are alive at a time.
+matrices. Only one window's logits of each model are alive at a time. `run_compare` is
+the `tq eval` default mode (a CompareSpec); `evaluate` the comparison itself.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -22,20 +22,13 @@ import torch
 from torch import nn
 
 from tq_cli.errors import TqError, UnsupportedError
-from tq_cli.io.manifest import MANIFEST
+from tq_cli.evaluation.spec import CompareSpec, EvalSpec
+from tq_cli.io.format import MANIFEST
+from tq_cli.io.manifest import read_manifest, write_json
 from tq_cli.io.source import resolve_source
 from tq_cli.io.text import Text, paragraphs
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass(frozen=True)
-class EvalSpec:
-    context: int = 512
-    stride: int | None = None  # None: non-overlapping windows of `context`
-    max_tokens: int | None = 8192
-    max_sentences: int = 128
-    device: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -88,26 +81,31 @@ def load_model(source: str | Path, device: torch.device) -> tuple[nn.Module, Pat
         from tq_cli.runtime.loader import load
 
         return load(folder, device=device, dtype=torch.float32), folder
-    from tq_cli.runtime.loader import load_plain
+    from tq_cli.runtime.hf_models import load_plain
 
     return load_plain(folder, device), folder
 
 
-def tokenizer_folder(folder: Path) -> Path:
+def source_path(folder: Path, manifest: dict[str, Any]) -> Path:
+    """The source model a tq checkpoint was converted from, as its manifest records it."""
+    source = manifest.get("source")
+    src = source.get("path") if isinstance(source, dict) else None
+    if not isinstance(src, str):
+        raise TqError(f"{folder / MANIFEST}: no source path recorded; the checkpoint is "
+                      "damaged")
+    return Path(src)
+
+
+def tokenizer_folder(folder: Path, manifest: dict[str, Any] | None = None) -> Path:
     """The folder holding a model's tokenizer: its own, or for a tq checkpoint without
-    one, its source's (from the manifest)."""
+    one, its source's (from the manifest, read here unless given)."""
     if (folder / "tokenizer_config.json").exists() or not is_tq_folder(folder):
         return folder
-    src = Path(json.loads((folder / MANIFEST).read_text())["source"]["path"])
+    src = source_path(folder, manifest if manifest is not None else read_manifest(folder))
     if (src / "tokenizer_config.json").exists():
         return src
     raise TqError(f"{folder}: no tokenizer here or in its source {src}; copy the source's "
                   f"tokenizer files into {folder}")
-
-
-def is_causal(model: nn.Module) -> bool:
-    name = type(model).__name__
-    return name.endswith(("ForCausalLM", "LMHeadModel"))
 
 
 def causal_metrics(ref: nn.Module, cand: nn.Module, ids: torch.Tensor, context: int,
@@ -186,14 +184,18 @@ def encoder_metrics(ref: nn.Module, cand: nn.Module, tokenizer: Any, sentences: 
             "similarity_spearman": spearman(sim_a, sim_b), "sentences": len(sentences)}
 
 
-def reference_for(candidate: Path, reference: str | None) -> str:
-    """--reference, or the source recorded in the candidate's manifest when reachable."""
+def reference_for(candidate: Path, reference: str | None,
+                  manifest: dict[str, Any] | None = None) -> str:
+    """--reference, or the source recorded in the candidate's manifest (read here unless
+    given) when reachable."""
     if reference is not None:
         return reference
-    if not is_tq_folder(candidate):
-        raise TqError(f"{candidate}: not a tq checkpoint, so --reference is needed")
-    src = json.loads((candidate / MANIFEST).read_text())["source"]["path"]
-    if not Path(src).is_dir():
+    if manifest is None:
+        if not is_tq_folder(candidate):
+            raise TqError(f"{candidate}: not a tq checkpoint, so --reference is needed")
+        manifest = read_manifest(candidate)
+    src = source_path(candidate, manifest)
+    if not src.is_dir():
         raise TqError(f"{candidate}: its source model {src} is not reachable here; "
                       "pass --reference")
     return str(src)
@@ -208,12 +210,13 @@ def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: Eva
     against one reference).
     """
     from tq_cli.device import resolve_device
-    from tq_cli.runtime.loader import load_tokenizer
+    from tq_cli.runtime.hf_models import is_causal, load_tokenizer
 
     device = resolve_device(spec.device)
     t0 = time.perf_counter()
     cand, cand_folder = load_model(candidate, device)
-    ref_src = reference_for(cand_folder, reference)
+    manifest = read_manifest(cand_folder) if is_tq_folder(cand_folder) else None
+    ref_src = reference_for(cand_folder, reference, manifest)
     if cache is not None and ref_src in cache:
         ref, ref_folder = cache[ref_src]
     else:
@@ -241,6 +244,10 @@ def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: Eva
         settings["scored_tokens"] = metrics["scored_tokens"]
         kind = "causal-lm"
     else:
+        if spec.stride is not None:
+            raise UnsupportedError(
+                f"{ref_folder}: --stride applies to causal LMs; this encoder embeds whole "
+                "paragraphs (of at most --context tokens); drop --stride")
         sentences = paragraphs(text.text, limit=spec.max_sentences)
         max_length = min(spec.context, getattr(tokenizer, "model_max_length", 512), 512)
         metrics = encoder_metrics(ref, cand, tokenizer, sentences, max_length)
@@ -249,21 +256,31 @@ def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: Eva
     result: dict[str, Any] = {"kind": kind, "candidate": str(cand_folder),
                               "reference": str(ref_folder), "settings": settings,
                               "metrics": metrics, "seconds": round(time.perf_counter() - t0, 2)}
-    if is_tq_folder(cand_folder):
-        summary = json.loads((cand_folder / MANIFEST).read_text())["summary"]
-        result["bits_per_weight"] = summary["bits_per_weight"]
+    if manifest is not None:
+        result["bits_per_weight"] = manifest["summary"]["bits_per_weight"]
     return result
 
 
 def write_card(candidate: Path, result: dict[str, Any]) -> None:
     """Record an eval result in a tq folder's manifest and model card."""
     from tq_cli.conversion.card import render_card
-    from tq_cli.io.manifest import write_json
 
-    path = candidate / MANIFEST
-    manifest = json.loads(path.read_text())
+    manifest = read_manifest(candidate)
     evals = manifest.get("eval") or []
     evals.append({k: result[k] for k in ("kind", "reference", "settings", "metrics")})
     manifest["eval"] = evals
-    write_json(path, manifest)
+    write_json(candidate / MANIFEST, manifest)
     (candidate / "README.md").write_text(render_card(manifest))
+
+
+def run_compare(candidate: str | Path, text: Text, spec: CompareSpec,
+                progress: Progress | None = None) -> dict[str, Any]:
+    """`tq eval`'s default mode: `evaluate` candidate against spec.reference, then with
+    spec.write_card record the result in the candidate's manifest and card."""
+    if spec.write_card and not is_tq_folder(resolve_source(candidate)):
+        raise TqError(f"{candidate}: not a tq checkpoint, so --write-card has no card to "
+                      "write to; drop it")
+    result = evaluate(candidate, spec.reference, text, spec, progress)
+    if spec.write_card:
+        write_card(Path(result["candidate"]), result)
+    return result

@@ -10,36 +10,35 @@ The reference is the same model through a full-precision cache, fed the same way
 differences are the cache's alone. A prefill reads its own tokens at full precision
 whatever the cache, so it runs once per window and is copied into every cache
 (`cache.fill_from`). Memory is measured at the end of each window: the context used.
+What to measure is a KVEvalSpec (tq_cli.evaluation.spec): `evaluate_kv` runs it.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from tq_cli.errors import TqError, UnsupportedError
+from tq_cli.errors import TqError, UnsupportedError, first_error
 from tq_cli.evaluation.kv_baselines import (
     check_backend,
     hf_cache_bits,
     hf_quantized_cache,
     supported_bits,
 )
-from tq_cli.evaluation.needle import NeedleSpec, cases, run_needle
+from tq_cli.evaluation.needle import cases, run_needle
+from tq_cli.evaluation.spec import KVEvalSpec, NeedleSpec, kv_item_spec, whole_bits
 from tq_cli.io.text import Text
-from tq_cli.kvcache.cache import TurboQuantCache, fill_from, make_spec
+from tq_cli.kvcache.cache import TurboQuantCache, fill_from
 from tq_cli.kvcache.spec import KVSpec, SplitPolicy
-
-if TYPE_CHECKING:
-    from tq_cli.evaluation.compare import EvalSpec
 
 Progress = Callable[[int, int], None]
 
@@ -59,14 +58,6 @@ class KVSetting:
             return TurboQuantCache(self.spec, model.config, measure_error=True)
         assert self.backend is not None
         return hf_quantized_cache(model, self.backend, self.bits, self.residual)
-
-
-@dataclass(frozen=True)
-class KVEvalSpec:
-    context: int = 2048
-    prefill: int | None = None  # None: context // 2
-    chunk: int = 32
-    needle: NeedleSpec | None = None
 
 
 @dataclass
@@ -92,10 +83,8 @@ def _cache_bits(cache: Any) -> tuple[float, dict[str, float] | None]:
 def kv_metrics(model: Any, ids: torch.Tensor, settings: list[KVSetting],
                spec: KVEvalSpec, progress: Progress | None = None) -> dict[str, Any]:
     """The reference (full-precision cache) and one row per setting, on the same tokens."""
+    # KVEvalSpec guarantees 1 <= prefill < context - 1 and chunk >= 1.
     prefill = spec.prefill if spec.prefill is not None else spec.context // 2
-    if not 1 <= prefill < spec.context - 1 or spec.chunk < 1:
-        raise TqError(f"the KV protocol needs 1 <= prefill ({prefill}) < context - 1 "
-                      f"({spec.context - 1}) and chunk >= 1")
     starts = list(range(0, ids.numel() - prefill - 1, spec.context))
     if not starts:
         raise TqError(f"the text has {ids.numel()} tokens, fewer than the prefill ({prefill})"
@@ -184,75 +173,79 @@ def _maker(setting: KVSetting, model: nn.Module) -> Callable[[], Any]:
     return lambda: setting.make(model)
 
 
+def settings_for(spec: KVEvalSpec) -> list[KVSetting]:
+    """The caches a KVEvalSpec measures: one per --kv-bits item, then transformers'
+    QuantizedCache for each `compare` backend at each whole width it supports."""
+    out = []
+    for raw in spec.bits:
+        cache = kv_item_spec(raw, spec.split, spec.cache)
+        out.append(KVSetting(f"{raw} ({cache.label})", cache))
+    for backend in spec.compare:
+        check_backend(backend)
+        for raw in spec.bits:
+            b = whole_bits(raw)
+            if b is not None and b in supported_bits(backend):
+                out.append(KVSetting(f"transformers {backend} {b}-bit", backend=backend,
+                                     bits=b, residual=spec.cache.window))
+    return out
+
+
 def parse_settings(items: str, window: int = 128, split: SplitPolicy = "kv",
                    compare: tuple[str, ...] = (), **options: Any) -> list[KVSetting]:
     """Settings from a list like "4,3.5,k4,v3,k4v3": average bits under `split`, or
     explicit key/value bits (a stream not named stays in full precision). `compare` adds
-    transformers' QuantizedCache for each listed integer width its backend supports."""
-    out: list[KVSetting] = []
-    for raw in (x.strip() for x in items.split(",")):
-        if not raw:
-            continue
-        m = re.fullmatch(r"(?:k([\d.]+))?(?:v([\d.]+))?", raw)
-        try:
-            if m and (m.group(1) or m.group(2)):
-                kb = float(m.group(1)) if m.group(1) else None
-                vb = float(m.group(2)) if m.group(2) else None
-                spec = make_spec(None, window, key_bits=kb, value_bits=vb, **options)
-            else:
-                spec = make_spec(float(raw), window, split, **options)
-        except ValueError:
-            raise UnsupportedError(f"--kv-bits: {raw!r} is not bits (4, 3.5), k<bits>, "
-                                   "v<bits> or k<bits>v<bits>") from None
-        out.append(KVSetting(f"{raw} ({spec.label})", spec))
+    transformers' QuantizedCache for each listed integer width its backend supports;
+    options are the other KVSpec fields. UnsupportedError says what is wrong."""
     for backend in compare:
         check_backend(backend)
-        for raw in items.split(","):
-            try:
-                b = float(raw)
-            except ValueError:
-                continue
-            if b == int(b) and int(b) in supported_bits(backend):
-                out.append(KVSetting(f"transformers {backend} {int(b)}-bit", backend=backend,
-                                     bits=int(b), residual=window))
-    if not out:
-        raise UnsupportedError("--kv-bits: no setting given, e.g. --kv-bits 4,3.5,3")
-    return out
+    try:
+        spec = KVEvalSpec(bits=tuple(x.strip() for x in items.split(",") if x.strip()),
+                          split=split, cache=KVSpec(window=window, **options),
+                          compare=compare)
+    except ValidationError as e:
+        raise UnsupportedError(f"KV cache settings: {first_error(e)[1]}") from None
+    return settings_for(spec)
 
 
-def evaluate_kv(candidate: str | Path, text: Text, settings: list[KVSetting],
-                eval_spec: EvalSpec, spec: KVEvalSpec, progress: Progress | None = None,
-                ) -> dict[str, Any]:
-    """Load CANDIDATE (tq checkpoint or model folder), measure every KV setting against
-    its full-precision cache on `text`, and the passkey test when `spec.needle` is set."""
+def evaluate_kv(candidate: str | Path, text: Text | None, spec: KVEvalSpec,
+                progress: Progress | None = None) -> dict[str, Any]:
+    """Load CANDIDATE (tq checkpoint or model folder), measure the cache of every
+    --kv-bits item of `spec` against a full-precision cache on `text`, and the passkey
+    test when `spec.needle` is set (`text` may be None when the spec has no items: the
+    passkey prompts are generated)."""
     from transformers import AutoTokenizer
 
-    from tq_cli.conversion.converter import resolve_device
-    from tq_cli.evaluation.compare import is_causal, load_model, tokenizer_folder
+    from tq_cli.device import resolve_device
+    from tq_cli.evaluation.compare import load_model, tokenizer_folder
+    from tq_cli.runtime.hf_models import is_causal
 
+    if spec.bits and text is None:
+        raise TqError("the --kv-bits caches are scored on a text; pass one")
+    settings = settings_for(spec)  # before the model: a missing backend fails at once
     t0 = time.perf_counter()
-    model, folder = load_model(candidate, resolve_device(eval_spec.device))
+    model, folder = load_model(candidate, resolve_device(spec.device))
     if not is_causal(model):
         raise UnsupportedError(f"{folder}: a KV cache needs a causal LM; this is "
                                f"{type(model).__name__}")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(folder))
-    ids = tokenizer(text.text, return_tensors="pt").input_ids[0]
-    if eval_spec.max_tokens:
-        ids = ids[:eval_spec.max_tokens]
     result: dict[str, Any] = {
         "kind": "kv-cache", "candidate": str(folder),
-        "settings": {"text_source": text.source, "text_sha256": text.sha256,
-                     "device": str(next(model.parameters()).device), "dtype": "float32",
-                     "context": spec.context, "chunk": spec.chunk,
-                     "max_tokens": eval_spec.max_tokens, "text_tokens": int(ids.numel()),
+        "settings": {"device": str(next(model.parameters()).device), "dtype": "float32",
                      "full_precision_counted_as_bits": 16},
+        "metrics": None,
     }
-    result["metrics"] = kv_metrics(model, ids, settings, spec, progress) if settings else None
-    if result["metrics"] is not None:
-        result["settings"]["prefill"] = result["metrics"]["prefill"]
-        result["settings"]["scored_tokens"] = result["metrics"]["scored_tokens"]
+    if settings and text is not None:
+        ids = tokenizer(text.text, return_tensors="pt").input_ids[0]
+        if spec.max_tokens:
+            ids = ids[:spec.max_tokens]
+        metrics = kv_metrics(model, ids, settings, spec, progress)
+        result["settings"].update({
+            "text_source": text.source, "text_sha256": text.sha256, "context": spec.context,
+            "chunk": spec.chunk, "max_tokens": spec.max_tokens, "text_tokens": int(ids.numel()),
+            "prefill": metrics["prefill"], "scored_tokens": metrics["scored_tokens"]})
+        result["metrics"] = metrics
     if spec.needle is not None:
         result["needle"] = needle_metrics(model, tokenizer, settings, spec.needle, progress)
-        result["settings"]["needle"] = asdict(spec.needle)
+        result["settings"]["needle"] = spec.needle.model_dump()
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result

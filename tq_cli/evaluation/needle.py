@@ -21,19 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from tq_cli.errors import TqError
+from tq_cli.evaluation.spec import NeedleSpec
+
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant "
          "text. Find it and memorize it. I will quiz you about it.\n")
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and "
           "back again. ")
 QUESTION = "\nWhat is the pass key? The pass key is"
-
-
-@dataclass(frozen=True)
-class NeedleSpec:
-    lengths: tuple[int, ...] = (2048, 4096)
-    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    seeds: tuple[int, ...] = (0, 1)
-    digits: int = 5
 
 
 @dataclass(frozen=True)
@@ -58,7 +53,9 @@ def make_case(tokenizer: Any, length: int, depth: float, seed: int, digits: int)
     intro, filler, needle_ids, question = enc(INTRO), enc(FILLER), enc(needle), enc(QUESTION)
     room = length - len(intro) - len(needle_ids) - len(question)
     if room < len(filler):
-        raise ValueError(f"length {length} is too short for a passkey prompt")
+        shortest = length - room + len(filler)
+        raise TqError(f"--needle-lengths: {length} tokens is too short for a passkey prompt "
+                      f"(at least {shortest}); pass longer lengths")
     hay = (filler * (room // len(filler) + 1))[:room]
     at = round(depth * room / len(filler)) * len(filler)
     at = min(at, room)
