@@ -31,4 +31,4 @@ fi
   --json "$out/convert-cuda.json" 2>&1 | tee "$out/convert-cuda.txt"
 .venv/bin/python scripts/bench_convert.py --synthetic llama-3.2-1b --layers 4 --device cpu \
   --json "$out/convert-cpu.json" 2>&1 | tee "$out/convert-cpu.txt"
-.venv/bin/python -m pytest -q tests/test_fit_speed.py -k cuda 2>&1 | tee "$out/fit_cuda_tests.txt"
+.venv/bin/python -m pytest -q tests/test_native_fit.py -k cuda 2>&1 | tee "$out/fit_cuda_tests.txt"

@@ -10,8 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tq_cli"
 
-# Modules every part of the library may import.
+# Modules every part of the library may import; they import only each other.
 FOUNDATION = {"tq_cli.errors", "tq_cli.version", "tq_cli._lazy", "tq_cli.device"}
+# Top-level modules besides the foundation: the face, the CLI and the demo's model.
+TOP = {"tq_cli.__main__", "tq_cli.app", "tq_cli.demo_model"}
 # What each package may import besides itself and the foundation: commands -> workflows
 # -> runtime / planning -> io -> quant (the math) -> tq_kernels.
 ALLOWED: dict[str, set[str]] = {
@@ -27,7 +29,11 @@ ALLOWED: dict[str, set[str]] = {
     "evaluation": {"conversion", "calibration", "runtime", "kvcache", "planning", "io",
                    "quant"},
     "bench": {"conversion", "evaluation", "runtime", "kvcache", "planning", "io", "quant"},
+    "demo_model": set(),
+    **{m.split(".")[1]: set() for m in FOUNDATION},
 }
+# The packages that call the kernels (tq_kernels itself never imports tq_cli).
+KERNEL_USERS = {"quant", "io", "kvcache", "runtime", "vllm_plugin", "bench"}
 # The lazy API functions of the package face: a subpackage named like one would hide it.
 API = {"convert", "load", "quantize", "dequantize", "kv_cache"}
 
@@ -40,22 +46,37 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module named by an import anywhere in the file (lazy imports included)."""
+def _imports(path: Path, module: str) -> set[str]:
+    """Every module a file imports, lazy imports included: import statements (relative
+    ones resolved), `importlib.import_module("...")` and the tables of `lazy_face`."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
+        elif isinstance(node, ast.Call):
+            fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(
+                node.func, "id", "")
+            args = node.args
+            if fn == "import_module" and args and isinstance(args[0], ast.Constant):
+                names.add(str(args[0].value))
+            elif fn.endswith("lazy_face") and len(args) == 2 and isinstance(args[1], ast.Dict):
+                names.update(f"{package}.{v.value}" for v in args[1].values
+                             if isinstance(v, ast.Constant))
     return names
 
 
 def _graph() -> dict[str, set[str]]:
     """Module -> the tq_cli modules it imports, the package faces included."""
     mods = _modules()
-    return {m: {n for n in _imports(p) if n in mods and n != m} for m, p in mods.items()}
+    return {m: {n for n in _imports(p, m) if n in mods and n != m} for m, p in mods.items()}
 
 
 def _package(module: str) -> str:
@@ -122,6 +143,26 @@ def test_imports_run_one_way_between_packages() -> None:
     assert offenders == []
 
 
+def test_only_the_kernel_users_import_tq_kernels() -> None:
+    offenders = sorted(m for m, p in _modules().items()
+                       if _package(m) in ALLOWED and _package(m) not in KERNEL_USERS
+                       and any(n.split(".")[0] == "tq_kernels" for n in _imports(p, m)))
+    assert offenders == []
+    kernels = ROOT / "kernels" / "tq_kernels"
+    assert [p.name for p in kernels.rglob("*.py")
+            if any(n.split(".")[0] == "tq_cli" for n in _imports(p, "tq_kernels.x"))] == []
+
+
+def test_the_import_reader_sees_every_kind_of_import(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("from ..conversion import flags\nfrom . import codebook\n"
+                   "import importlib\nimportlib.import_module('tq_cli.bench.kv')\n"
+                   "lazy_face(__name__, {'Plan': 'plan'})\n")
+    assert _imports(src, "tq_cli.quant.m") >= {
+        "tq_cli.conversion.flags", "tq_cli.quant.codebook", "tq_cli.bench.kv",
+        "tq_cli.quant.plan"}
+
+
 def test_the_library_imports_no_package_face() -> None:
     # Faces are for users; a module that imports one depends on everything it names.
     faces = {m for m, p in _modules().items() if p.name == "__init__.py"}
@@ -132,9 +173,9 @@ def test_the_library_imports_no_package_face() -> None:
 
 
 def test_every_module_belongs_to_a_package_or_the_short_top_level_list() -> None:
-    top = {m for m in _modules() if m.count(".") == 1 and _package(m) not in ALLOWED
-           and _package(m) != "commands"}
-    assert top == {*FOUNDATION, "tq_cli.__main__", "tq_cli.app", "tq_cli.demo_model"}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    top = {m for m in _modules() if m.count(".") == 1 and _package(m) not in packages}
+    assert top == FOUNDATION | TOP
 
 
 def test_no_subpackage_is_named_like_a_lazy_api_function() -> None:
@@ -149,7 +190,7 @@ def test_the_library_never_imports_the_cli_stack() -> None:
     for name, path in _modules().items():
         if name.startswith("tq_cli.commands") or name == "tq_cli.app":
             continue
-        bad = {n for n in _imports(path) if n.split(".")[0] in ("typer", "rich")}
+        bad = {n for n in _imports(path, name) if n.split(".")[0] in ("typer", "rich")}
         if bad:
             offenders[name] = sorted(bad)
     assert offenders == {}

@@ -14,15 +14,9 @@ from typer.testing import CliRunner
 import tq_cli.calibration.collect as calib_mod
 import tq_cli.calibration.skeleton as skeleton_mod
 from tq_cli.app import app
-from tq_cli.calibration.collect import (
-    CalibrationMismatchError,
-    CalibResult,
-    CalibSpec,
-    calibrate,
-    read_calibration,
-    token_sequences,
-)
+from tq_cli.calibration.collect import CalibResult, CalibSpec, calibrate, token_sequences
 from tq_cli.errors import CorruptFileError, OutputError, TqError
+from tq_cli.io.calibration import CalibrationMismatchError, read_calibration
 from tq_cli.io.safetensors_reader import open_source
 from tq_cli.io.text import Text, calibration_text
 

@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from tq_cli.app import app
 from tq_cli.errors import TqError, UnsupportedError
-from tq_cli.evaluation.kv import parse_settings
+from tq_cli.evaluation.kv import settings_for
+from tq_cli.evaluation.spec import KVEvalSpec
 from tq_cli.kvcache.cache import TurboQuantCache, fill_from, kv_cache, make_spec, use_kv_cache
 from tq_cli.kvcache.codebook import distortion, sphere_codebook
 from tq_cli.kvcache.codec import StreamCodec
@@ -113,12 +115,13 @@ def test_bits_policies_and_spec_errors() -> None:
         make_spec(None, key_bits=9)
     with pytest.raises(UnsupportedError, match="qjl needs key_bits >= 2"):
         make_spec(1, qjl=True)
-    with pytest.raises(UnsupportedError, match="'x' is not bits"):
-        parse_settings("4,x")
-    labels = [s.label for s in parse_settings("3.5,k4,v2.5,k4v3", window=8)]
+    with pytest.raises(ValidationError, match="'x' is not bits"):
+        KVEvalSpec(bits=("4", "x"))
+    spec = KVEvalSpec(bits=("3.5", "k4", "v2.5", "k4v3"), cache={"window": 8})
+    labels = [s.label for s in settings_for(spec)]
     assert labels == ["3.5 (K4/V3)", "k4 (K4/Vfp)", "v2.5 (Kfp/V2.5)", "k4v3 (K4/V3)"]
-    with pytest.raises(UnsupportedError, match="unknown backend 'foo'"):
-        parse_settings("4", compare=("foo",))
+    with pytest.raises(ValidationError, match="compare"):
+        KVEvalSpec(bits=("4",), compare=("foo",))
 
 
 def tiny_llama_model(layers: int = 2) -> Any:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tq_cli._lazy import lazy_face
+from tq_cli._lazy import lazy_face as _lazy_face
 from tq_cli.version import __version__
 
-__getattr__ = lazy_face(__name__, {
+__getattr__ = _lazy_face(__name__, {
     "convert": "conversion.converter",
     "ConvertSpec": "conversion.spec",
     "quantize": "quant.grouped",

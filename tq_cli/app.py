@@ -50,7 +50,8 @@ class Boundary(TyperGroup):
         except BaseException as e:
             if isinstance(e, SystemExit | GeneratorExit):
                 raise
-            if os.environ.get("TQ_DEBUG") and not isinstance(e, TqError | OSError):
+            if os.environ.get("TQ_DEBUG") and not isinstance(e, TqError | OSError |
+                                                             KeyboardInterrupt):
                 raise
             message, code = one_line(e)
             label = "[bold red]error:[/] " if code == 1 else ""

@@ -42,19 +42,15 @@ from tq_cli.calibration.skeleton import (
 from tq_cli.device import Device, resolve_device
 from tq_cli.errors import SourceError, TqError, UnsupportedError
 from tq_cli.io.calibration import (
-    Calibration,
-    CalibrationMismatchError,
     CalibrationWriter,
     check_out,
-    read_calibration,
 )
 from tq_cli.io.safetensors_reader import SourceModel
 from tq_cli.io.text import Text
 from tq_cli.planning.prepare import PlannedSource
 from tq_cli.version import __version__
 
-__all__ = ["CalibResult", "CalibSpec", "Calibration", "CalibrationMismatchError", "calibrate",
-           "read_calibration", "token_sequences"]
+__all__ = ["CalibResult", "CalibSpec", "calibrate", "calibrate_planned", "token_sequences"]
 Progress = Callable[[int, int], None]
 Warn = Callable[[str], None]
 
@@ -118,11 +114,15 @@ def token_sequences(tokenizer: Any, text: Text, samples: int, seqlen: int,
 def calibrate(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: CalibSpec,
               progress: Progress | None = None, warn: Warn | None = None) -> CalibResult:
     """Run SOURCE on calibration text block by block and write H per input group to OUT."""
+    from tq_cli.io.source import resolve_source
     from tq_cli.planning.prepare import plan_source
     from tq_cli.quant.spec import RotationSpec
 
+    folder = resolve_source(source)
+    if not (folder / "config.json").is_file():
+        raise SourceError(f"{folder}: no config.json; tq calibrate needs it to build the model")
     # The tensors convert would quantize (rotation settings do not change which).
-    planned = plan_source(source, spec.recipe, rotation=RotationSpec(kind="none"))
+    planned = plan_source(folder, spec.recipe, rotation=RotationSpec(kind="none"))
     return calibrate_planned(planned, out, spec, progress, warn)
 
 
@@ -142,7 +142,7 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
             warn(msg)
 
     folder, src, recipe = planned.folder, planned.model, planned.recipe
-    if src.config is None:
+    if src.config is None:  # make_plan refuses such a source before this can be reached
         raise SourceError(f"{folder}: no config.json; tq calibrate needs it to build the model")
     require_transformers("calibration runs the model")
     out_path = Path(out).expanduser()

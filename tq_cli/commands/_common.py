@@ -76,11 +76,22 @@ def quant_values(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return nest(values)
 
 
-def usage_error(e: ValidationError, flags: dict[str, str] | None = None) -> typer.Exit:
-    """Print a spec's validation error as one usage line naming the flag (exit code 2)."""
-    stderr.print(f"[bold red]usage error:[/] {escape(usage_message(e, flags))}",
-                 highlight=False)
+def usage(message: str) -> typer.Exit:
+    """Print one usage-error line on stderr and return the exit to raise (code 2)."""
+    stderr.print(f"[bold red]usage error:[/] {escape(message)}", highlight=False,
+                 soft_wrap=True)
     return typer.Exit(code=2)
+
+
+def usage_error(e: ValidationError, flags: dict[str, str] | None = None) -> typer.Exit:
+    """A spec's validation error as one usage line naming the flag (exit code 2);
+    `flags`: spec locations whose flag is not --<field-name> (tq_cli.conversion.flags)."""
+    return usage(usage_message(e, flags))
+
+
+def warning(console: Console, message: str) -> None:
+    """One warning line (on the progress bar's console while a bar is drawn)."""
+    console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def emit_json(data: Any) -> None:

@@ -8,9 +8,10 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from tq_cli.commands._common import emit_json, fail, stderr
+from tq_cli.commands._common import emit_json, fail, stderr, usage
 
 # Tables are wide; a log file or pipe gets them whole instead of at 80 columns.
 stdout = Console(width=None if Console().is_terminal else 140)
@@ -156,17 +157,15 @@ def main(
     scratch: Path | None = typer.Option(None, "--scratch", help="Folder for the synthetic "
                                         "model (kept between runs); default a temp folder."),
 ) -> None:
-    from tq_cli.bench import OPTIONAL_SECTIONS, SECTIONS, BenchSpec, run_bench
+    from tq_cli.bench.run import OPTIONAL_SECTIONS, SECTIONS, BenchSpec, run_bench
     from tq_cli.device import resolve_device
 
     if device not in ("auto", "cpu", "cuda"):
-        stderr.print(f"[bold red]usage error:[/] --device: '{device}' is not auto, cpu or cuda")
-        raise typer.Exit(code=2)
+        raise usage(f"--device: '{device}' is not auto, cpu or cuda")
     bad = [s for s in section if s not in SECTIONS + OPTIONAL_SECTIONS]
     if bad:
-        stderr.print(f"[bold red]usage error:[/] --section: '{bad[0]}' is not one of "
-                     f"{', '.join(SECTIONS + OPTIONAL_SECTIONS)}")
-        raise typer.Exit(code=2)
+        raise usage(f"--section: '{bad[0]}' is not one of "
+                    f"{', '.join(SECTIONS + OPTIONAL_SECTIONS)}")
     base = _read_baseline(baseline) if baseline is not None else None
     dev = resolve_device(device)
     spec = BenchSpec(quick=quick, device=dev, sections=tuple(section) or SECTIONS,
@@ -191,7 +190,7 @@ def main(
         where += ", ...)" if len(cmp.skipped) > 1 else ")"
     if cmp.regressions:
         for r in cmp.regressions:
-            stderr.print(f"[bold red]regression:[/] {r.describe()}", highlight=False,
+            stderr.print(f"[bold red]regression:[/] {escape(r.describe())}", highlight=False,
                          soft_wrap=True)
         stderr.print(f"{len(cmp.regressions)} regressed {where}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=REGRESSED)

@@ -18,6 +18,7 @@ from tq_cli.commands._common import (
     stdout,
     tensor_progress,
     usage_error,
+    warning,
 )
 from tq_cli.conversion.converter import ConvertResult, ConvertSpec, convert
 from tq_cli.conversion.pipeline import Finished
@@ -131,7 +132,7 @@ def main(
                        description=f"tensors {counts['done']}/{counts['total']}")
 
         def log(msg: str) -> None:
-            bar.console.print(f"[yellow]warning:[/] {msg}", highlight=False)
+            warning(bar.console, msg)
 
         result = convert(source, out, spec, on_plan=on_plan, progress=on_done, log=log)
     if as_json:

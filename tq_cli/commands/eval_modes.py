@@ -9,15 +9,12 @@ passkey test with a full-precision cache only, so it reads no text and no cache 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Literal
 
 import typer
 from pydantic import ValidationError
-from rich.markup import escape
 
-from tq_cli.commands._common import stderr
-from tq_cli.errors import first_error
+from tq_cli.commands._common import usage, usage_error
 from tq_cli.evaluation.spec import CompareSpec, KVEvalSpec, SweepSpec
 
 Mode = Literal["compare", "kv", "needle", "sweep"]
@@ -59,14 +56,7 @@ FIELD_FLAGS = {
 }
 
 
-def refuse(message: str) -> typer.Exit:
-    """Print one usage-error line on stderr and return the exit to raise (code 2)."""
-    stderr.print(f"[bold red]usage error:[/] {escape(message)}", highlight=False,
-                 soft_wrap=True)
-    return typer.Exit(code=2)
-
-
-def flag_of(ctx: typer.Context, name: str) -> str:
+def given_flag(ctx: typer.Context, name: str) -> str:
     """The flag as given: --no-rtn for rtn=False, --reference for reference."""
     param = next(p for p in ctx.command.params if p.name == name)
     secondary = getattr(param, "secondary_opts", None)
@@ -91,8 +81,8 @@ def choose_mode(params: dict[str, Any]) -> tuple[Mode, str]:
     kv_flag = "--kv-bits" if params["kv_bits"] is not None else "--needle"
     kv = params["kv_bits"] is not None or params["needle"]
     if kv and params["sweep"] is not None:
-        raise refuse(f"--sweep and {kv_flag} are separate modes of tq eval; run them one "
-                     "at a time")
+        raise usage(f"--sweep and {kv_flag} are separate modes of tq eval; run them one "
+                    "at a time")
     if params["sweep"] is not None:
         return "sweep", "--sweep"
     if kv:
@@ -130,17 +120,8 @@ def check_flags(ctx: typer.Context) -> Mode:
     used = reads(mode, ctx.params)
     for name in given(ctx):
         if name not in used:
-            raise refuse(why_not(name, flag_of(ctx, name), mode, mode_flag))
+            raise usage(why_not(name, given_flag(ctx, name), mode, mode_flag))
     return mode
-
-
-def field_flag(loc: Iterable[int | str]) -> str:
-    """The flag that set the spec field at pydantic location `loc`."""
-    parts = [str(x) for x in loc]
-    for n in range(len(parts), 0, -1):
-        if ".".join(parts[:n]) in FIELD_FLAGS:
-            return FIELD_FLAGS[".".join(parts[:n])]
-    return "--" + parts[0].replace("_", "-") if parts else FIELD_FLAGS[""]
 
 
 def items(text: str | None) -> tuple[str, ...]:
@@ -184,8 +165,7 @@ def build_spec(mode: Mode, p: dict[str, Any]) -> ModeSpec:
                 "scratch": str(p["scratch"]) if p["scratch"] is not None else None})
         return KVEvalSpec.model_validate(_kv_fields(p))
     except ValidationError as e:
-        _, what = first_error(e)
-        raise refuse(f"{field_flag(e.errors()[0]['loc'])}: {what}") from None
+        raise usage_error(e, FIELD_FLAGS) from None
 
 
 def spec_from_flags(ctx: typer.Context) -> ModeSpec:

@@ -34,7 +34,8 @@ from tq_cli.io.output import (
     read_plan_hash,
     verified,
 )
-from tq_cli.io.safetensors_reader import SourceModel, source_sha256
+from tq_cli.io.safetensors_reader import SourceModel, open_source, source_sha256
+from tq_cli.io.source import resolve_source
 from tq_cli.io.writer import Journal, ShardWriter
 from tq_cli.planning.plan import Plan
 from tq_cli.planning.prepare import PlannedSource, plan_source
@@ -72,10 +73,13 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
         if log:
             log(msg)
 
-    planned = plan_source(source, spec.recipe, spec.quant, spec.rotation, seeds=spec.seeds,
-                          seeds_file=spec.seeds_file, max_shard_bytes=spec.max_shard_bytes)
+    folder = resolve_source(source)
+    source_model = open_source(folder)
+    check_output(out, folder, spec.overwrite)
+    planned = plan_source(folder, spec.recipe, spec.quant, spec.rotation, seeds=spec.seeds,
+                          seeds_file=spec.seeds_file, max_shard_bytes=spec.max_shard_bytes,
+                          model=source_model)
     model, plan = planned.model, planned.plan
-    check_output(out, planned.folder, spec.overwrite)
     device = resolve_device(spec.device)
     calib, calib_record = _calibration(spec, planned, scratch, log)
     provenance: dict[str, Any] = {"seeds": planned.seeds_record} if planned.seeds_record else {}

@@ -75,14 +75,17 @@ def nest(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def flag_of(loc: tuple[int | str, ...], extra: dict[str, str] | None = None) -> str:
     """The command-line flag that set the field at pydantic location `loc`."""
-    where = ".".join(str(x) for x in loc)
+    parts = [str(x) for x in loc]
+    where = ".".join(parts)
     if where in BY_FIELD:
         return "--" + BY_FIELD[where].flag
     names = extra or {}
-    for key in (where, str(loc[0]) if loc else ""):
+    for n in range(len(parts), 0, -1):  # the longest named prefix: "cache.window", "cache"
+        key = ".".join(parts[:n])
         if key in names:
             return names[key]
-    return "--" + str(loc[-1]).replace("_", "-") if loc else "options"
+    # No location: a check of the whole spec, named by the flag under "" if any.
+    return "--" + parts[-1].replace("_", "-") if parts else names.get("", "options")
 
 
 def usage_message(e: ValidationError, extra: dict[str, str] | None = None) -> str:

@@ -238,11 +238,6 @@ def allocate(options: Options, target_bpw: float, numel: dict[str, int]) -> Allo
                       error=sum(options[n][choice[n]][0] for n in names))
 
 
-def allocate_bits(options: Options, target_bpw: float, numel: dict[str, int]) -> dict[str, int]:
-    """The widths of `allocate` (its `.bpw` is the achieved average bits per weight)."""
-    return allocate(options, target_bpw, numel).bits
-
-
 @dataclass(frozen=True)
 class MixedChoice:
     bits: dict[str, int]

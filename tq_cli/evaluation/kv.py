@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from tq_cli.errors import TqError, UnsupportedError, first_error
+from tq_cli.errors import TqError, UnsupportedError
 from tq_cli.evaluation.kv_baselines import (
     check_backend,
     hf_cache_bits,
@@ -38,7 +37,7 @@ from tq_cli.evaluation.needle import cases, run_needle
 from tq_cli.evaluation.spec import KVEvalSpec, NeedleSpec, kv_item_spec, whole_bits
 from tq_cli.io.text import Text
 from tq_cli.kvcache.cache import TurboQuantCache, fill_from
-from tq_cli.kvcache.spec import KVSpec, SplitPolicy
+from tq_cli.kvcache.spec import KVSpec
 
 Progress = Callable[[int, int], None]
 
@@ -188,23 +187,6 @@ def settings_for(spec: KVEvalSpec) -> list[KVSetting]:
                 out.append(KVSetting(f"transformers {backend} {b}-bit", backend=backend,
                                      bits=b, residual=spec.cache.window))
     return out
-
-
-def parse_settings(items: str, window: int = 128, split: SplitPolicy = "kv",
-                   compare: tuple[str, ...] = (), **options: Any) -> list[KVSetting]:
-    """Settings from a list like "4,3.5,k4,v3,k4v3": average bits under `split`, or
-    explicit key/value bits (a stream not named stays in full precision). `compare` adds
-    transformers' QuantizedCache for each listed integer width its backend supports;
-    options are the other KVSpec fields. UnsupportedError says what is wrong."""
-    for backend in compare:
-        check_backend(backend)
-    try:
-        spec = KVEvalSpec(bits=tuple(x.strip() for x in items.split(",") if x.strip()),
-                          split=split, cache=KVSpec(window=window, **options),
-                          compare=compare)
-    except ValidationError as e:
-        raise UnsupportedError(f"KV cache settings: {first_error(e)[1]}") from None
-    return settings_for(spec)
 
 
 def evaluate_kv(candidate: str | Path, text: Text | None, spec: KVEvalSpec,

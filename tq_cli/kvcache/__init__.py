@@ -7,7 +7,7 @@ of the randomly rotated unit vector. Modules: `codebook` (the exact codebooks), 
 measurements live in `tq_cli.evaluation` (`kv`, `needle`, `kv_baselines`).
 
     cache = tq_cli.kv_cache(model, bits=3.5, window=128)
-    model.generate(**inputs, cache=cache)
+    model.generate(**inputs, past_key_values=cache)
 """
 
 from __future__ import annotations

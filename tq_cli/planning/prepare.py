@@ -48,12 +48,14 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
                 quant: QuantSpec | None = None, rotation: RotationSpec | None = None, *,
                 seeds: dict[str, int] | None = None,
                 seeds_file: str | os.PathLike[str] | None = None,
-                max_shard_bytes: int = 2 * 1024**3) -> PlannedSource:
-    """Resolve SOURCE, its recipe and the plan; refuse a source with nothing to convert."""
+                max_shard_bytes: int = 2 * 1024**3,
+                model: SourceModel | None = None) -> PlannedSource:
+    """Resolve SOURCE, its recipe and the plan; refuse a source with nothing to convert.
+    `model`: SOURCE already opened (convert checks OUT between opening and planning)."""
     quant = quant or QuantSpec()
     rotation = rotation or RotationSpec()
     folder = resolve_source(source)
-    model = open_source(folder)
+    model = model or open_source(folder)
     resolved = resolve_recipe(recipe, model.config)
     seeds_record = None
     if seeds_file is not None:

@@ -200,11 +200,11 @@ def search(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: Se
     """Run this rank's share of the search; rank 0 writes and returns the SEEDS document."""
     comm = comm or Comm()
     t0 = time.perf_counter()
+    planned = plan_source(source, spec.recipe, spec.quant, spec.rotation)
+    model, tensors = planned.model, planned.plan.converted
     if spec.rotation.kind == "none":
         raise SeedSearchError("--rotation none has no seed to search; pass --rotation "
                               "hadamard or orthogonal")
-    planned = plan_source(source, spec.recipe, spec.quant, spec.rotation)
-    model, tensors = planned.model, planned.plan.converted
     calib = None
     calib_sha = None
     if spec.objective == "calib":

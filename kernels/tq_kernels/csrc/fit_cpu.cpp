@@ -1,4 +1,4 @@
-// tq's native data-free fit: the passes of tq_cli/quantizer.py's fit over a float32 weight
+// tq's native data-free fit: the passes of tq_cli/quant/grouped.py's fit over a float32 weight
 // [out, n] in the rotated space, as torch operators (torch.ops.tq_fit.*):
 //
 //   init(w, group, outliers, uniform) -> scales [out, groups]         RMS or absmax
