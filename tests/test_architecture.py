@@ -19,7 +19,7 @@ TOP = {"tq_cli.__main__", "tq_cli.app", "tq_cli.demo_model"}
 ALLOWED: dict[str, set[str]] = {
     "quant": set(),
     "io": {"quant"},
-    "planning": {"io", "quant"},
+    "planning": {"runtime", "io", "quant"},
     "kvcache": {"quant"},
     "runtime": {"io", "quant", "kvcache"},
     "vllm_plugin": {"runtime", "io", "quant"},

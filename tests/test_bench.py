@@ -47,7 +47,9 @@ def test_quick_run_has_every_section(quick_result: dict[str, Any]) -> None:
     if cpu_kernel.available():
         assert env["cpu_gemm"] == cpu_kernel.gemm_precision()
     conv = quick_result["sections"]["conversion"][0]
-    assert conv["convert_over_copy"] == pytest.approx(conv["convert_s"] / conv["copy_s"])
+    assert conv["convert_over_copy"] == pytest.approx(
+        (conv["convert_s"] - conv["check_s"]) / conv["copy_s"])
+    assert 0 < conv["check_s"] < conv["convert_s"]
     assert 4.0 < conv["bits_per_weight"] < 4.3
     backend = quick_result["sections"]["kernels"][0]["backend"]
     assert backend.startswith(("cpu-", "torch reference")), backend

@@ -186,14 +186,17 @@ def test_cuda_request_on_cpu_machine(llama_tq: Path) -> None:
 
 
 def test_converted_tensor_that_is_not_a_linear_is_refused(tmp_path: Path) -> None:
-    """GPT-2 keeps its projections in Conv1D modules: loading must fail, not randomise."""
+    """GPT-2 keeps its projections in Conv1D modules: the conversion is refused before
+    anything is written, instead of a checkpoint that could not be loaded."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     src = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100,
                                n_positions=32)).save_pretrained(src)
     out = tmp_path / "gpt2-tq"
-    convert(src, out, ConvertSpec(quant=QuantSpec(group_size=32)))
-    with pytest.raises(TqError, match=r"converted tensor 'transformer.h.0.attn.c_attn.weight' "
-                                      r"belongs to Conv1D, not an nn.Linear"):
-        tq_cli.load(out)
+    with pytest.raises(TqError, match=r"none of the tensors recipe 'generic' converts can run "
+                                      r"quantized \(it is 'weight' of Conv1D, not the weight "
+                                      r"of an nn.Linear\); tq runs converted nn.Linear layers "
+                                      r"only"):
+        convert(src, out, ConvertSpec(quant=QuantSpec(group_size=32)))
+    assert not out.exists()

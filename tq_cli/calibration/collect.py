@@ -32,7 +32,6 @@ from torch import nn
 from tq_cli.calibration.hessian import InputGroup, PlacedLayers, add_hooks, place_layers
 from tq_cli.calibration.skeleton import (
     BlockWeights,
-    build_skeleton,
     candidates,
     catch_block_inputs,
     find_blocks,
@@ -48,6 +47,7 @@ from tq_cli.io.calibration import (
 from tq_cli.io.safetensors_reader import SourceModel
 from tq_cli.io.text import Text
 from tq_cli.planning.prepare import PlannedSource
+from tq_cli.runtime.hf_models import build_skeleton
 from tq_cli.version import __version__
 
 __all__ = ["CalibResult", "CalibSpec", "calibrate", "calibrate_planned", "token_sequences"]

@@ -1,37 +1,21 @@
-"""The model skeleton of `tq calibrate`, and running it one transformer block at a time.
+"""Running the model skeleton of `tq calibrate` one transformer block at a time.
 
 The skeleton is built from config.json on the meta device (buffers such as rotary
-frequencies real); `BlockWeights` materialises one block's parameters from the shards
-and sends them back to meta; `catch_block_inputs` records what block 0 receives
-(GPTQ's "catcher", Frantar et al. 2022, arXiv:2210.17323, sec. 5), so each block can
-then run on its own.
+frequencies real: `tq_cli.runtime.hf_models.build_skeleton`); `BlockWeights`
+materialises one block's parameters from the shards and sends them back to meta;
+`catch_block_inputs` records what block 0 receives (GPTQ's "catcher", Frantar et al.
+2022, arXiv:2210.17323, sec. 5), so each block can then run on its own.
 """
 
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from tq_cli.errors import CorruptFileError, UnsupportedError
 from tq_cli.io.safetensors_reader import SourceModel, TensorInfo, read_tensor
-
-
-def build_skeleton(folder: Path, config: dict) -> nn.Module:
-    """The model from config.json: parameters on meta, buffers (rotary tables) real."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig
-
-    from tq_cli.runtime.hf_models import model_class
-
-    cls = model_class(config)
-    cfg = AutoConfig.from_pretrained(folder)
-    with init_empty_weights(include_buffers=False):
-        build = cls._from_config if hasattr(cls, "_from_config") else cls.from_config
-        model = build(cfg, dtype=torch.float32)
-    return model.eval()
 
 
 def find_blocks(model: nn.Module, n_layers: int, wanted: set[str]) -> tuple[str, nn.ModuleList]:

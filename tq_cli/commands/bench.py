@@ -54,6 +54,7 @@ HEADERS = {
     "tq_gb_s": "tq GB/s", "torch_gb_s": "torch GB/s", "tq_bandwidth_fraction": "of bw",
     "source_mb": "MB", "convert_s": "convert s", "copy_s": "copy s",
     "convert_over_copy": "convert/copy", "convert_mb_s": "MB/s", "peak_rss_mb": "peak RSS MB",
+    "check_s": "of which check s",
 }
 TEXT_COLUMNS = ("matrix", "method", "rotation", "shape", "model", "backend", "cache", "path")
 
@@ -93,8 +94,9 @@ def print_tables(result: dict[str, Any]) -> None:
                             "bfloat16", s["kernels"], cols, caption))
     if "conversion" in s:
         stdout.print(_table("Conversion vs safetensors load_file+save_file", s["conversion"],
-                            ["model", "source_mb", "convert_s", "copy_s", "convert_over_copy",
-                             "convert_mb_s", "peak_rss_mb", "bits_per_weight"]))
+                            ["model", "source_mb", "convert_s", "check_s", "copy_s",
+                             "convert_over_copy", "convert_mb_s", "peak_rss_mb",
+                             "bits_per_weight"]))
     if s.get("kv"):
         print_kv_tables(s["kv"])
     env = result["environment"]

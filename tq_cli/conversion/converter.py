@@ -78,8 +78,10 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     check_output(out, folder, spec.overwrite)
     planned = plan_source(folder, spec.recipe, spec.quant, spec.rotation, seeds=spec.seeds,
                           seeds_file=spec.seeds_file, max_shard_bytes=spec.max_shard_bytes,
-                          model=source_model)
+                          model=source_model, check=True)
     model, plan = planned.model, planned.plan
+    for note in planned.notes:
+        warn(note)
     device = resolve_device(spec.device)
     calib, calib_record = _calibration(spec, planned, scratch, log)
     provenance: dict[str, Any] = {"seeds": planned.seeds_record} if planned.seeds_record else {}
@@ -156,6 +158,7 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     resumed = sum(1 for t in plan.tensors if t.info.name in done) - len(todo)
     result = finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
                      max(resumed, 0), warnings, provenance)
+    result.check_seconds = planned.check_seconds
     return result
 
 

@@ -43,6 +43,10 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
                        "dtype": tp.info.dtype, "action": tp.action,
                        "keys": [k for k, _, _ in tp.keys],
                        "shards": sorted({plan.layout.slots[k].shard for k, _, _ in tp.keys})}
+        if tp.module is not None:
+            entry["module"] = tp.module
+        if tp.note is not None:
+            entry["kept_because"] = tp.note
         if tp.action == CONVERTED:
             assert tp.quant is not None and tp.rotation is not None
             share = (rot_bytes[tp.rotation_id] / plan.rotations[tp.rotation_id].users

@@ -73,6 +73,9 @@ class ConvertResult:
     warnings: list[str] = field(default_factory=list)
     calibrated_tensors: int | None = None  # with --calib: how many used it (others fell back)
     mixed: dict | None = None  # with --target-bits: the allocation
+    # Of `seconds`, the check against the model transformers builds (a fixed cost per
+    # architecture, not per byte: tq_cli.planning.prepare).
+    check_seconds: float = 0.0
 
     def summary(self) -> dict:
         extra: dict = {}
@@ -88,6 +91,7 @@ class ConvertResult:
             "mean_rel_error": self.mean_rel_error,
             "max_rel_error": self.max_rel_error,
             "seconds": round(self.seconds, 3),
+            "check_seconds": round(self.check_seconds, 3),
             "source_bytes": self.source_bytes,
             "output_bytes": self.output_bytes,
             "throughput_mb_s": round(self.source_bytes / 1e6 / max(self.seconds, 1e-9), 2),

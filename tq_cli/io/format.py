@@ -103,11 +103,14 @@ class ConvertedEntry:
     seed: int
     rotation_id: str | None  # the shared material's id; None for "none"
     rel_error: float | None
+    # The nn.Linear it runs as in the model transformers builds, where the loader renames
+    # it (a VLM's language model); None: `X` of `X.weight`.
+    placed: str | None = None
 
     @property
     def module(self) -> str:
-        """The linear layer's name: `X` of `X.weight`."""
-        return self.name.removesuffix(".weight")
+        """The linear layer's name in the built model (`X` of `X.weight` unless renamed)."""
+        return self.placed or self.name.removesuffix(".weight")
 
     @property
     def keys(self) -> dict[str, str]:
@@ -139,10 +142,13 @@ def _converted(e: Mapping[str, Any]) -> ConvertedEntry:
             or not all(isinstance(d, int) for d in shape)):
         raise ValueError(f"converted tensor '{name}' has a rotation or shape that is not "
                          "format v1's")
-    rel = e.get("rel_error")
+    rel, placed = e.get("rel_error"), e.get("module")
+    if not (placed is None or isinstance(placed, str)):
+        raise ValueError(f"converted tensor '{name}' has a module that is not a name")
     return ConvertedEntry(name=name, shape=(shape[0], shape[1]), spec=qs, rotation_kind=kind,
                           block=block, seed=seed, rotation_id=rid,
-                          rel_error=float(rel) if isinstance(rel, int | float) else None)
+                          rel_error=float(rel) if isinstance(rel, int | float) else None,
+                          placed=placed)
 
 
 def converted_entries(manifest: Mapping[str, Any]) -> list[ConvertedEntry]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -49,6 +50,8 @@ class TensorPlan:
     block: int = 0
     rotation_id: str | None = None
     keys: tuple[Key, ...] = ()
+    module: str | None = None  # converted: the nn.Linear it runs as, when not `X` of `X.weight`
+    note: str | None = None  # kept although the recipe converts it: why
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class Plan:
             "recipe": self.recipe.model_dump(), "quant": self.quant.model_dump(),
             "rotation": self.rotation.model_dump(),
             "tensors": [[t.info.name, t.action, t.quant.model_dump() if t.quant else None,
-                         t.rotation_id] for t in self.tensors],
+                         t.rotation_id, t.module] for t in self.tensors],
             "layout": self.layout.describe(),
         }
         if self.extra:
@@ -99,8 +102,14 @@ class Plan:
 def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: RotationSpec,
               seeds: dict[str, int] | None = None,
               max_shard_bytes: int = 2 * 1024**3,
-              bits: dict[str, int] | None = None) -> Plan:
-    """Decide every tensor's fate and the output layout; raises on anything unworkable."""
+              bits: dict[str, int] | None = None,
+              modules: Mapping[str, str] | None = None,
+              keep: Mapping[str, str] | None = None) -> Plan:
+    """Decide every tensor's fate and the output layout; raises on anything unworkable.
+
+    From what transformers will build (tq_cli.planning.prepare): `modules` names the
+    nn.Linear a converted tensor runs as where that is not `X` of `X.weight`; `keep`
+    holds the tensors the recipe converts that tq could not run, with the reason."""
     qc = (source.config or {}).get("quantization_config")
     if qc:
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
@@ -145,6 +154,10 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
             raise RecipeError(
                 f"recipe '{recipe.name}': rule '{rule.pattern}' (matching '{info.name}') "
                 f"gives invalid settings: {msg}") from e
+        if keep and info.name in keep:
+            tensors.append(TensorPlan(info, "keep", keys=((info.name, info.dtype, info.shape),),
+                                      note=keep[info.name]))
+            continue
         if bits and info.name in bits:
             spec = spec.model_copy(update={"bits": bits[info.name]})
         rot = rotation
@@ -165,7 +178,10 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
                 rotations[rid] = RotationPlan(rid, rot, n, block, mat, 0)
         keys = tuple((stored_key(info.name, suffix), dt, tuple(shape))
                      for suffix, (dt, shape) in storage_layout(out, n, spec).items())
-        tensors.append(TensorPlan(info, CONVERTED, spec, rot, block, rid, keys))
+        module = (modules or {}).get(info.name)
+        if module == info.name.removesuffix(".weight"):
+            module = None
+        tensors.append(TensorPlan(info, CONVERTED, spec, rot, block, rid, keys, module))
     rotations = {rid: RotationPlan(r.rotation_id, r.spec, r.n, r.block, r.keys, users[rid])
                  for rid, r in rotations.items()}
     guard = next((t.info.name for t in tensors if t.action == CONVERTED), None)

@@ -10,7 +10,8 @@ here, in one place, with one message.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from tq_cli.errors import UnsupportedError
 from tq_cli.io.safetensors_reader import SourceModel, open_source
 from tq_cli.io.source import resolve_source
 from tq_cli.planning.plan import Plan, make_plan
-from tq_cli.planning.recipe import Recipe, resolve_recipe
+from tq_cli.planning.recipe import Recipe, builtin_recipes, resolve_recipe
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 
 
@@ -33,6 +34,10 @@ class PlannedSource:
     seeds: dict[str, int] | None = None  # tensor -> rotation seed (convert --seeds)
     seeds_record: dict[str, Any] | None = None  # what the manifest says of a SEEDS file
     max_shard_bytes: int = 2 * 1024**3
+    modules: dict[str, str] = field(default_factory=dict)  # see make_plan
+    keep: dict[str, str] = field(default_factory=dict)  # see make_plan
+    notes: list[str] = field(default_factory=list)  # what the user should hear about it
+    check_seconds: float = 0.0  # spent asking transformers what it will build
 
     @property
     def converted_names(self) -> list[str]:
@@ -41,7 +46,8 @@ class PlannedSource:
     def replan(self, bits: dict[str, int]) -> Plan:
         """The same plan with a bit width per tensor (--target-bits)."""
         return make_plan(self.model, self.recipe, self.plan.quant, self.plan.rotation,
-                         self.seeds, self.max_shard_bytes, bits=bits)
+                         self.seeds, self.max_shard_bytes, bits=bits, modules=self.modules,
+                         keep=self.keep)
 
 
 def plan_source(source: str | os.PathLike[str], recipe: str | None,
@@ -49,9 +55,12 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
                 seeds: dict[str, int] | None = None,
                 seeds_file: str | os.PathLike[str] | None = None,
                 max_shard_bytes: int = 2 * 1024**3,
-                model: SourceModel | None = None) -> PlannedSource:
+                model: SourceModel | None = None,
+                check: bool = False) -> PlannedSource:
     """Resolve SOURCE, its recipe and the plan; refuse a source with nothing to convert.
-    `model`: SOURCE already opened (convert checks OUT between opening and planning)."""
+    `model`: SOURCE already opened (convert checks OUT between opening and planning).
+    `check`: against the model transformers will build (what convert writes must load
+    back; calibrate and search-seed write no checkpoint and skip its cost)."""
     quant = quant or QuantSpec()
     rotation = rotation or RotationSpec()
     folder = resolve_source(source)
@@ -67,4 +76,51 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
         raise UnsupportedError(
             f"{folder}: no tensor matches a quantize rule of recipe '{resolved.name}'; "
             "pass --recipe with one that fits this model")
-    return PlannedSource(folder, model, resolved, plan, seeds, seeds_record, max_shard_bytes)
+    planned = PlannedSource(folder, model, resolved, plan, seeds, seeds_record,
+                            max_shard_bytes)
+    if check:
+        t0 = time.perf_counter()
+        _place(planned, builtin=recipe is None or recipe in builtin_recipes())
+        planned.check_seconds = time.perf_counter() - t0
+    return planned
+
+
+def _place(planned: PlannedSource, builtin: bool) -> None:
+    """Check every converted tensor against the model transformers will build (tq_cli.
+    runtime.module_map) and plan again with what that says: the module each runs as, and
+    the tensors tq could not load back or run, kept (a built-in recipe) or refused (the
+    user's recipe asked for them by name)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        planned.notes.append("transformers is not installed, so tq could not check that each "
+                             "converted tensor loads back as an nn.Linear; pip install "
+                             "'tq[models]' for the check")
+        return
+    from tq_cli.runtime.module_map import place_in_folder
+
+    model, plan = planned.model, planned.plan
+    assert model.config is not None  # make_plan refuses a folder without one
+    placed = place_in_folder(planned.folder, model.config, planned.converted_names)
+    planned.keep = {n: p.reason or "" for n, p in placed.items() if p.module is None}
+    planned.modules = {n: p.module for n, p in placed.items()
+                       if p.module is not None and p.module != n.removesuffix(".weight")}
+    if planned.keep and not builtin:
+        name, why = next(iter(planned.keep.items()))
+        info = model.tensors[name]
+        raise UnsupportedError(
+            f"{info.file.name}: tensor '{name}' cannot run quantized ({why}); add a keep "
+            f"rule for it to recipe '{planned.recipe.name}'")
+    for why in dict.fromkeys(planned.keep.values()):
+        names = [n for n, w in planned.keep.items() if w == why]
+        planned.notes.append(f"kept in full precision: {len(names)} tensor(s) the recipe "
+                             f"converts, such as '{names[0]}': {why}")
+    if planned.keep or planned.modules:
+        planned.plan = make_plan(model, planned.recipe, plan.quant, plan.rotation,
+                                 planned.seeds, planned.max_shard_bytes,
+                                 modules=planned.modules, keep=planned.keep)
+        if not planned.plan.converted:
+            raise UnsupportedError(
+                f"{planned.folder}: none of the tensors recipe '{planned.recipe.name}' "
+                f"converts can run quantized ({next(iter(planned.keep.values()))}); tq runs "
+                "converted nn.Linear layers only")

@@ -88,3 +88,16 @@ def load_plain(folder: Path, device: torch.device,
 def is_causal(model: nn.Module) -> bool:
     """Whether a transformers model predicts next tokens (perplexity applies)."""
     return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def build_skeleton(folder: Path, config: dict) -> nn.Module:
+    """The model from config.json: parameters on meta, buffers (rotary tables) real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    cls = model_class(config)
+    cfg = AutoConfig.from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):
+        build = cls._from_config if hasattr(cls, "_from_config") else cls.from_config
+        model = build(cfg, dtype=torch.float32)
+    return model.eval()

@@ -61,7 +61,8 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
     manifest = read_manifest(folder)
     prefix = getattr(model, "base_model_prefix", "")
     modules = dict(model.named_modules())
-    for e in converted_entries(manifest):
+    entries = converted_entries(manifest)
+    for e in entries:
         ck = e.module
         name = next((n for n in (ck, f"{prefix}.{ck}", ck.removeprefix(prefix + "."))
                      if n in modules), None)
@@ -73,7 +74,8 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
                 "layers, so convert this model with a recipe that keeps that tensor")
         old = modules[name]
         specs = {suffix: headers[key] for suffix, key in e.keys.items()}
-        bias = headers.get(f"{ck}.bias") if old.bias is not None else None
+        bias = (headers.get(e.name.removesuffix(".weight") + ".bias")
+                if old.bias is not None else None)
         layer = TQLinear(old.in_features, old.out_features, bits=e.spec.bits,
                          group_size=e.spec.group_size, specs=specs, bias=bias)
         layer.tq_rotation_id = e.rotation_id
@@ -86,11 +88,13 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
     holder.rotation = nn.ModuleDict(rotations)
     model.tq = holder
     guard = manifest.get("guard")
-    if guard:  # the empty tensor that stops a load without tq (docs/format.md): skip it
+    if guard:  # the empty tensor that stops a load without tq (docs/format.md): skip it,
+        # under its own name and the name transformers renames it to (a VLM's layers)
+        names = {guard} | {f"{e.module}.weight" for e in entries if e.name == guard}
         ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
         # nn.Module.__setattr__ is typed for tensors and modules; this is a plain set.
         object.__setattr__(model, "_keys_to_ignore_on_load_unexpected",
-                           ignored | {rf"(^|\.){re.escape(guard)}$"})
+                           ignored | {rf"(^|\.){re.escape(n)}$" for n in names})
     return model
 
 

@@ -1,0 +1,122 @@
+"""The family matrix: a tiny model of each family people quantize, converted, loaded, run
+and dequantized, with what tq cannot run yet kept in full precision and said so.
+
+Planning asks transformers what it will build (tq_cli.runtime.module_map): renamed
+modules (LLaVA's language model) are found, and tensors tq could not load back or run
+(fused MoE experts, a router that is not an nn.Linear, the weight nn.MultiheadAttention
+reads raw in SigLIP's pooling head) are kept by the built-in recipes and refused by
+name when the user's own recipe asks for them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from families import FAMILIES
+
+import tq_cli
+from tq_cli.conversion.converter import ConvertResult, ConvertSpec, convert
+from tq_cli.errors import UnsupportedError
+from tq_cli.quant.spec import QuantSpec
+from tq_cli.runtime.tq_linear import TQLinear
+from tq_kernels import cpu
+
+SPEC = ConvertSpec(quant=QuantSpec(bits=4, group_size=32), device="cpu")
+# What each family keeps although the recipe converts it, and why (the manifest says).
+MERGED = ("experts.", "merges it with other tensors")
+KEPT = {"mixtral": [MERGED],
+        "qwen2_moe": [MERGED, ("mlp.gate.", "Qwen2MoeTopKRouter")],
+        "gpt_oss": [("router", "GptOssTopKRouter")],
+        "siglip": [("head.attention.out_proj", "MultiheadAttention reads it as a raw tensor")]}
+
+
+def _output(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.logits_per_image if hasattr(out, "logits_per_image") else out.logits
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def fp32_products() -> Iterator[None]:
+    # The dequantized twin multiplies in float32; so does the kernel here.
+    before = cpu.gemm_precision()
+    cpu.set_gemm_precision("fp32")
+    yield
+    cpu.set_gemm_precision(before)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, ConvertResult,
+                                                              dict[str, torch.Tensor]]:
+    name = request.param
+    torch.manual_seed(0)
+    model, inputs = FAMILIES[name]()
+    src = tmp_path_factory.mktemp(name) / "src"
+    model.save_pretrained(src, max_shard_size="200KB")
+    out = src.parent / "tq"
+    return name, src, out, convert(src, out, SPEC), inputs
+
+
+def test_each_family_converts_loads_runs_and_dequantizes(family: Any,
+                                                         fp32_products: None) -> None:
+    _, src, out, result, inputs = family
+    tq = tq_cli.load(out, device="cpu")
+    assert tq.tq_report["layers"] == result.tensors_converted > 0
+    original = type(tq).from_pretrained(src).eval()
+    y, y_ref = _output(tq, inputs), _output(original, inputs)
+    assert torch.isfinite(y).all()
+    assert _rel(y, y_ref) < 0.5  # 4-bit random weights: near the original, not equal
+    twin = tq.dequantize()
+    assert not any(isinstance(m, TQLinear) for m in twin.modules())
+    assert _rel(_output(twin, inputs), y) < 1e-4  # the kernels compute the stored weights
+
+
+def test_what_cannot_run_quantized_is_kept_and_said(family: Any) -> None:
+    name, _, out, result, _ = family
+    manifest = json.loads((out / "tq_manifest.json").read_text())
+    kept = {e["name"]: e["kept_because"] for e in manifest["tensors"] if "kept_because" in e}
+    if name not in KEPT:
+        assert kept == {} and not any("kept in full precision" in w for w in result.warnings)
+        return
+    assert all(any(part in n and why in w for part, why in KEPT[name]) for n, w in kept.items())
+    for part, why in KEPT[name]:
+        assert any(part in n for n in kept)
+        assert any(w.startswith("kept in full precision") and why in w for w in result.warnings)
+
+
+def test_renamed_modules_are_recorded(family: Any) -> None:
+    name, _, out, _, _ = family
+    manifest = json.loads((out / "tq_manifest.json").read_text())
+    moved = {e["name"]: e["module"] for e in manifest["tensors"] if "module" in e}
+    if name == "llava":  # its checkpoint keeps transformers 4's names
+        q = "language_model.model.layers.0.self_attn.q_proj.weight"
+        assert moved[q] == "model.language_model.layers.0.self_attn.q_proj"
+    else:
+        assert moved == {}
+
+
+def test_the_users_recipe_is_refused_by_name(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, _ = FAMILIES["gpt_oss"]()
+    model.save_pretrained(tmp_path / "src")
+    recipe = tmp_path / "all.toml"
+    recipe.write_text('name = "all"\nskip_non_2d = true\n\n[[rules]]\npattern = "*embed*"\n'
+                      'action = "keep"\n\n[[rules]]\npattern = "*.weight"\n')
+    spec = SPEC.model_copy(update={"recipe": str(recipe)})
+    with pytest.raises(UnsupportedError) as e:
+        convert(tmp_path / "src", tmp_path / "out", spec)
+    assert str(e.value).endswith(
+        "tensor 'model.layers.0.mlp.router.weight' cannot run quantized (it is 'weight' of "
+        "GptOssTopKRouter, not the weight of an nn.Linear); add a keep rule for it to "
+        "recipe 'all'")
+    assert not (tmp_path / "out").exists()

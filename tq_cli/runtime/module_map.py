@@ -1,0 +1,99 @@
+"""Where each source tensor ends up in the model transformers builds, and whether tq can
+run it there quantized.
+
+transformers 5 loads a checkpoint through conversion mappings: keys are renamed (a VLM's
+`language_model.model.layers.*` become `model.language_model.layers.*`) and some tensors
+are merged or reshaped on the way in (a MoE's per-expert `w1`/`w3` fused into one 3-D
+parameter). tq converts by source tensor name and runs a converted weight as the
+`nn.Linear` it belongs to, so before anything is written the plan asks the same
+machinery: the model is built from config.json on the meta device, its conversion
+mapping collected (`get_model_conversion_mapping`) and every converted name renamed as
+the loader will rename it (`rename_source_key`). No table of renames per family is kept
+here. A tensor tq could not load back or run (merged by a converter, owned by a module
+that is not an `nn.Linear`, or read as a raw tensor by its parent, as
+`nn.MultiheadAttention` reads `out_proj.weight`) gets the reason why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from tq_cli.errors import SourceError
+
+# Parents that read a child linear's weight as a raw tensor (F.multi_head_attention_forward).
+RAW_READERS = (nn.MultiheadAttention,)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A source tensor in the built model: its module path, or why tq cannot run it."""
+
+    source: str  # the checkpoint's name, "X.weight"
+    module: str | None  # the module path in the model, when it is an nn.Linear tq can run
+    reason: str | None = None  # why not, when `module` is None
+
+
+def _conversions(model: Any) -> tuple[list[Any], list[Any]]:
+    """The model's renamings and converters, as from_pretrained applies them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    return renamings, converters
+
+
+def place(model: nn.Module, names: list[str]) -> dict[str, Placement]:
+    """Each converted source tensor's placement in `model` (parameters may be on meta)."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters = _conversions(model)
+    params = dict(model.state_dict(keep_vars=True))
+    modules = dict(model.named_modules())
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    out: dict[str, Placement] = {}
+    for name in names:
+        key, converter = rename_source_key(name, renamings, converters, prefix, params)
+        out[name] = _placement(name, key, converter, modules, params)
+    return out
+
+
+def _placement(name: str, key: str, converter: str | None, modules: dict[str, nn.Module],
+               params: dict[str, Any]) -> Placement:
+    if converter is not None:
+        return Placement(name, None, "transformers merges it with other tensors when "
+                                     "loading (fused MoE experts); tq does not run merged "
+                                     "weights yet")
+    path, _, attr = key.rpartition(".")
+    owner = modules.get(path)
+    if key not in params or owner is None:
+        return Placement(name, None, "the model transformers builds from config.json has "
+                                     "no parameter for it")
+    if not isinstance(owner, nn.Linear) or attr != "weight":
+        return Placement(name, None, f"it is '{attr}' of {type(owner).__name__}, not the "
+                                     "weight of an nn.Linear")
+    parent = modules.get(path.rpartition(".")[0]) if "." in path else None
+    if isinstance(parent, RAW_READERS):
+        return Placement(name, None, f"{type(parent).__name__} reads it as a raw tensor, not "
+                                     "through its nn.Linear")
+    return Placement(name, path)
+
+
+def place_in_folder(folder: Path, config: dict, names: list[str]) -> dict[str, Placement]:
+    """`place` for a model folder: its skeleton is built from config.json on meta."""
+    from tq_cli.runtime.hf_models import build_skeleton
+
+    try:
+        model = build_skeleton(folder, config)
+    except Exception as e:  # transformers raises anything on a config it cannot use
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise SourceError(f"{folder / 'config.json'}: transformers cannot build the model it "
+                          f"describes ({type(e).__name__}: {first}), so a checkpoint of it "
+                          "could not be loaded; fix config.json or convert the original "
+                          "folder") from None
+    return place(model, names)
