@@ -55,11 +55,40 @@ def gemma3_text() -> Built:
 
 
 def llava() -> Built:
+    """With an image: 16 image tokens (32x32 pixels in 8x8 patches, CLS dropped)."""
     import transformers as T
 
     cfg = T.LlavaConfig(text_config=T.LlamaConfig(**TEXT),
                         vision_config=T.CLIPVisionConfig(**VISION), image_token_index=255)
-    return T.LlavaForConditionalGeneration(cfg), _ids()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.cat([torch.randint(0, 250, (1, 3), generator=g), torch.full((1, 16), 255),
+                     torch.randint(0, 250, (1, 5), generator=g)], dim=1)
+    pixels = torch.randn(1, 3, 32, 32, generator=g)
+    return T.LlavaForConditionalGeneration(cfg), {"input_ids": ids, "pixel_values": pixels}
+
+
+def gemma3_vlm() -> Built:
+    import transformers as T
+
+    cfg = T.Gemma3Config(text_config={**TEXT, "head_dim": 24}, vision_config=VISION,
+                         mm_tokens_per_image=4)
+    return T.Gemma3ForConditionalGeneration(cfg), _ids()
+
+
+def idefics3() -> Built:
+    import transformers as T
+
+    cfg = T.Idefics3Config(text_config={"model_type": "llama", **TEXT},
+                           vision_config={k: v for k, v in VISION.items()}, scale_factor=2)
+    return T.Idefics3ForConditionalGeneration(cfg), _ids()
+
+
+def mistral3() -> Built:
+    import transformers as T
+
+    vision = {"model_type": "pixtral", **VISION, "head_dim": 16}
+    cfg = T.Mistral3Config(text_config={"model_type": "mistral", **TEXT}, vision_config=vision)
+    return T.Mistral3ForConditionalGeneration(cfg), _ids()
 
 
 def clip() -> Built:
@@ -95,6 +124,32 @@ def qwen2_moe() -> Built:
     return T.Qwen2MoeForCausalLM(cfg), _ids()
 
 
+def qwen2_5_vl() -> Built:
+    import transformers as T
+
+    text = {**TEXT, "head_dim": 24,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 4, 6]}}
+    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 100, "num_heads": 4,
+              "out_hidden_size": 96, "patch_size": 4, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "window_size": 16, "fullatt_block_indexes": [1]}
+    cfg = T.Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    return T.Qwen2_5_VLForConditionalGeneration(cfg), _ids()
+
+
+def qwen3_moe() -> Built:
+    import transformers as T
+
+    cfg = T.Qwen3MoeConfig(**TEXT, head_dim=24, moe_intermediate_size=72, num_experts=4,
+                           num_experts_per_tok=2)
+    return T.Qwen3MoeForCausalLM(cfg), _ids()
+
+
+def olmoe() -> Built:
+    import transformers as T
+
+    return T.OlmoeForCausalLM(T.OlmoeConfig(**TEXT, num_experts=4, num_experts_per_tok=2)), _ids()
+
+
 def gpt_oss() -> Built:
     import transformers as T
 
@@ -106,6 +161,8 @@ def gpt_oss() -> Built:
 
 FAMILIES: dict[str, Callable[[], Built]] = {
     "qwen3": qwen3, "mistral": mistral, "phi3": phi3, "gemma3_text": gemma3_text,
-    "llava": llava, "clip": clip, "siglip": siglip, "mixtral": mixtral,
-    "qwen2_moe": qwen2_moe, "gpt_oss": gpt_oss,
+    "llava": llava, "gemma3_vlm": gemma3_vlm, "idefics3": idefics3, "mistral3": mistral3,
+    "qwen2_5_vl": qwen2_5_vl,
+    "clip": clip, "siglip": siglip, "mixtral": mixtral, "qwen2_moe": qwen2_moe,
+    "qwen3_moe": qwen3_moe, "olmoe": olmoe, "gpt_oss": gpt_oss,
 }

@@ -29,10 +29,17 @@ from tq_kernels import cpu
 SPEC = ConvertSpec(quant=QuantSpec(bits=4, group_size=32), device="cpu")
 # What each family keeps although the recipe converts it, and why (the manifest says).
 MERGED = ("experts.", "merges it with other tensors")
+TOWER = ("vision", "the vision tower of an image-text model; pass --vision")
+PROJECTOR = ("projector", "(the projector)")
+RAW = ("head.attention.out_proj", "MultiheadAttention reads it as a raw tensor")
 KEPT = {"mixtral": [MERGED],
         "qwen2_moe": [MERGED, ("mlp.gate.", "Qwen2MoeTopKRouter")],
+        "qwen3_moe": [MERGED, ("mlp.gate.", "Qwen3MoeTopKRouter")],
+        "olmoe": [MERGED, ("mlp.gate.", "OlmoeTopKRouter")],
         "gpt_oss": [("router", "GptOssTopKRouter")],
-        "siglip": [("head.attention.out_proj", "MultiheadAttention reads it as a raw tensor")]}
+        "siglip": [RAW],
+        "llava": [TOWER, PROJECTOR], "gemma3_vlm": [TOWER, RAW], "mistral3": [TOWER, PROJECTOR],
+        "idefics3": [TOWER, ("connector", "(the projector)")], "qwen2_5_vl": [("visual.", TOWER[1])]}
 
 
 def _output(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -98,11 +105,33 @@ def test_renamed_modules_are_recorded(family: Any) -> None:
     name, _, out, _, _ = family
     manifest = json.loads((out / "tq_manifest.json").read_text())
     moved = {e["name"]: e["module"] for e in manifest["tensors"] if "module" in e}
-    if name == "llava":  # its checkpoint keeps transformers 4's names
+    if name in ("llava", "mistral3"):  # their checkpoints keep transformers 4's names
         q = "language_model.model.layers.0.self_attn.q_proj.weight"
         assert moved[q] == "model.language_model.layers.0.self_attn.q_proj"
-    else:
+    elif name not in ("gemma3_vlm", "idefics3", "qwen2_5_vl"):
         assert moved == {}
+
+
+def test_a_vlm_converts_its_vision_tower_on_request(tmp_path: Path,
+                                                    fp32_products: None) -> None:
+    torch.manual_seed(0)
+    model, inputs = FAMILIES["llava"]()
+    model.save_pretrained(tmp_path / "src")
+    r = convert(tmp_path / "src", tmp_path / "out", SPEC.model_copy(update={"vision": True}))
+    manifest = json.loads((tmp_path / "out" / "tq_manifest.json").read_text())
+    converted = {e["name"] for e in manifest["tensors"] if e["action"] == "quantize"}
+    assert any(n.startswith("vision_tower.") for n in converted)
+    assert not any("projector" in n for n in converted)
+    tq = tq_cli.load(tmp_path / "out", device="cpu")
+    assert tq.tq_report["layers"] == r.tensors_converted
+    assert _rel(_output(tq, inputs), _output(model.eval(), inputs)) < 0.5
+    # generate() with an image, from the converted checkpoint: the same greedy tokens as
+    # its dequantized twin (both multiply in float32).
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        ours = tq.generate(**inputs, max_new_tokens=4, do_sample=False)[0, n:]
+        twin = tq.dequantize().generate(**inputs, max_new_tokens=4, do_sample=False)[0, n:]
+    assert ours.tolist() == twin.tolist() and len(ours) == 4
 
 
 def test_the_users_recipe_is_refused_by_name(tmp_path: Path) -> None:
@@ -120,3 +149,10 @@ def test_the_users_recipe_is_refused_by_name(tmp_path: Path) -> None:
         "GptOssTopKRouter, not the weight of an nn.Linear); add a keep rule for it to "
         "recipe 'all'")
     assert not (tmp_path / "out").exists()
+
+
+def test_transformers_loads_it_with_no_missing_or_unexpected_key(family: Any) -> None:
+    _, _, out, _, _ = family
+    cls = type(tq_cli.load(out, device="cpu"))
+    _, info = cls.from_pretrained(out, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}

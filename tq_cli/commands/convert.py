@@ -89,6 +89,9 @@ def main(
                                     "widths to choose from."),
     recipe: str | None = typer.Option(None, "--recipe",
                                       help="Recipe name (llama, bert, generic) or TOML path."),
+    vision: bool = typer.Option(False, "--vision", help="An image-text model (LLaVA, Gemma 3, "
+                                "...): convert its vision tower too, not only its language "
+                                "model; the projector is kept either way."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     shard_size: str = typer.Option("2GB", "--shard-size", help="Largest output shard."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite",
@@ -107,7 +110,7 @@ def main(
             "seeds_file": str(seeds) if seeds is not None else None,
             "calib": str(calib) if calib is not None else None, "damp": damp,
             "act_order": act_order, "synthetic_calib": synthetic_calib,
-            "target_bits": target_bits,
+            "target_bits": target_bits, "vision": vision,
             "bit_choices": _choices(bit_choices),
         })
     except ValueError as e:  # pydantic's ValidationError, or --temperature's parser

@@ -32,6 +32,8 @@ class ConvertSpec(BaseModel):
     damp: float = Field(0.01, gt=0.0, le=1.0, description="GPTQ damping, a fraction of the "
                         "mean diagonal of H")
     act_order: bool = False
+    # An image-text-to-text model: convert its vision tower too (its language model always).
+    vision: bool = False
     synthetic_calib: int = Field(0, ge=0, le=1 << 20, description="data-free calibration: "
                                  "tokens of random vocabulary run through the model for "
                                  "GPTQ-style error feedback (0 = off)")

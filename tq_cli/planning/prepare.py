@@ -56,11 +56,13 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
                 seeds_file: str | os.PathLike[str] | None = None,
                 max_shard_bytes: int = 2 * 1024**3,
                 model: SourceModel | None = None,
-                check: bool = False) -> PlannedSource:
+                check: bool = False, vision: bool = False) -> PlannedSource:
     """Resolve SOURCE, its recipe and the plan; refuse a source with nothing to convert.
     `model`: SOURCE already opened (convert checks OUT between opening and planning).
     `check`: against the model transformers will build (what convert writes must load
-    back; calibrate and search-seed write no checkpoint and skip its cost)."""
+    back; calibrate and search-seed write no checkpoint and skip its cost). `vision`: of an
+    image-text-to-text model, convert the vision tower too (by default only its language
+    model is converted; the projector is always kept)."""
     quant = quant or QuantSpec()
     rotation = rotation or RotationSpec()
     folder = resolve_source(source)
@@ -80,16 +82,23 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
                             max_shard_bytes)
     if check:
         t0 = time.perf_counter()
-        _place(planned, builtin=recipe is None or recipe in builtin_recipes())
+        _place(planned, builtin=recipe is None or recipe in builtin_recipes(), vision=vision)
         planned.check_seconds = time.perf_counter() - t0
     return planned
 
 
-def _place(planned: PlannedSource, builtin: bool) -> None:
+# What a VLM keeps by default, outside its language model (module_map.Placement.part).
+POLICY = {"vision": "the vision tower of an image-text model; pass --vision to convert it too",
+          "other": "outside the language model and the vision tower of an image-text model "
+                   "(the projector)"}
+
+
+def _place(planned: PlannedSource, builtin: bool, vision: bool) -> None:
     """Check every converted tensor against the model transformers will build (tq_cli.
-    runtime.module_map) and plan again with what that says: the module each runs as, and
-    the tensors tq could not load back or run, kept (a built-in recipe) or refused (the
-    user's recipe asked for them by name)."""
+    runtime.module_map) and plan again with what that says: the module each runs as; the
+    tensors tq could not load back or run, kept (a built-in recipe) or refused (the user's
+    recipe asked for them by name); and, of a VLM, what is not its language model, kept
+    unless asked for (`vision`)."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
@@ -103,14 +112,18 @@ def _place(planned: PlannedSource, builtin: bool) -> None:
     assert model.config is not None  # make_plan refuses a folder without one
     placed = place_in_folder(planned.folder, model.config, planned.converted_names)
     planned.keep = {n: p.reason or "" for n, p in placed.items() if p.module is None}
-    planned.modules = {n: p.module for n, p in placed.items()
-                       if p.module is not None and p.module != n.removesuffix(".weight")}
     if planned.keep and not builtin:
         name, why = next(iter(planned.keep.items()))
         info = model.tensors[name]
         raise UnsupportedError(
             f"{info.file.name}: tensor '{name}' cannot run quantized ({why}); add a keep "
             f"rule for it to recipe '{planned.recipe.name}'")
+    for n, p in placed.items():
+        if p.module is not None and p.part in POLICY and not (vision and p.part == "vision"):
+            planned.keep[n] = POLICY[p.part]
+    planned.modules = {n: p.module for n, p in placed.items()
+                       if p.module is not None and n not in planned.keep
+                       and p.module != n.removesuffix(".weight")}
     for why in dict.fromkeys(planned.keep.values()):
         names = [n for n, w in planned.keep.items() if w == why]
         planned.notes.append(f"kept in full precision: {len(names)} tensor(s) the recipe "

@@ -90,14 +90,21 @@ def is_causal(model: nn.Module) -> bool:
     return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def build_skeleton(folder: Path, config: dict) -> nn.Module:
-    """The model from config.json: parameters on meta, buffers (rotary tables) real."""
-    from accelerate import init_empty_weights
+def build_skeleton(folder: Path, config: dict, real_buffers: bool = True) -> nn.Module:
+    """The model from config.json: parameters on meta; buffers (rotary tables) real, which
+    running it needs (accelerate's init_empty_weights), or on meta too, which is enough to
+    see its structure (torch's meta device, as transformers itself builds models)."""
     from transformers import AutoConfig
 
     cls = model_class(config)
     cfg = AutoConfig.from_pretrained(folder)
-    with init_empty_weights(include_buffers=False):
-        build = cls._from_config if hasattr(cls, "_from_config") else cls.from_config
-        model = build(cfg, dtype=torch.float32)
+    build = cls._from_config if hasattr(cls, "_from_config") else cls.from_config
+    if real_buffers:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = build(cfg, dtype=torch.float32)
+    else:
+        with torch.device("meta"):
+            model = build(cfg, dtype=torch.float32)
     return model.eval()

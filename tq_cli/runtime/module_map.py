@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from tq_cli.errors import SourceError
+from tq_cli.errors import SourceError, UnsupportedError
 
 # Parents that read a child linear's weight as a raw tensor (F.multi_head_attention_forward).
 RAW_READERS = (nn.MultiheadAttention,)
@@ -35,6 +35,10 @@ class Placement:
     source: str  # the checkpoint's name, "X.weight"
     module: str | None  # the module path in the model, when it is an nn.Linear tq can run
     reason: str | None = None  # why not, when `module` is None
+    # In an image-text-to-text model (a VLM: it generates, and its text config is not its
+    # own): "text" inside the language model, "vision" inside the vision tower, "other"
+    # elsewhere (the projector); None in any other model.
+    part: str | None = None
 
 
 def _conversions(model: Any) -> tuple[list[Any], list[Any]]:
@@ -56,11 +60,40 @@ def place(model: nn.Module, names: list[str]) -> dict[str, Placement]:
     params = dict(model.state_dict(keep_vars=True))
     modules = dict(model.named_modules())
     prefix = getattr(model, "base_model_prefix", "") or ""
+    towers = _towers(model, modules)
     out: dict[str, Placement] = {}
     for name in names:
         key, converter = rename_source_key(name, renamings, converters, prefix, params)
-        out[name] = _placement(name, key, converter, modules, params)
+        p = _placement(name, key, converter, modules, params)
+        if towers is not None:
+            part = next((kind for path, kind in towers if key.startswith(path + ".")), "other")
+            p = Placement(p.source, p.module, p.reason, part)
+        out[name] = p
     return out
+
+
+def _towers(model: Any, modules: dict[str, nn.Module]) -> list[tuple[str, str]] | None:
+    """The module paths of a VLM's language model ("text") and vision tower ("vision"):
+    the sub-models whose config is the model's text or vision config. None for a model
+    that does not generate from images (an LLM, an encoder, CLIP)."""
+    config = getattr(model, "config", None)
+    can_generate = getattr(model, "can_generate", lambda: False)
+    vision = getattr(config, "vision_config", None)
+    if config is None or vision is None or not can_generate():
+        return None
+    text = config.get_text_config()
+    if text is config:
+        return None
+    found = []
+    for path, m in modules.items():
+        sub = getattr(m, "config", None)
+        if not path or sub is None or not hasattr(m, "can_generate"):
+            continue  # the root, or not a transformers sub-model
+        if type(sub) is type(text):
+            found.append((path, "text"))
+        elif type(sub) is type(vision):
+            found.append((path, "vision"))
+    return found
 
 
 def _placement(name: str, key: str, converter: str | None, modules: dict[str, nn.Module],
@@ -89,7 +122,10 @@ def place_in_folder(folder: Path, config: dict, names: list[str]) -> dict[str, P
     from tq_cli.runtime.hf_models import build_skeleton
 
     try:
-        model = build_skeleton(folder, config)
+        model = build_skeleton(folder, config, real_buffers=False)
+    except ImportError as e:  # a package the model's code needs: not the config's fault
+        raise UnsupportedError(f"{folder}: transformers cannot build this model without "
+                               f"{e.name or e}; install it (pip install 'tq[models]')") from None
     except Exception as e:  # transformers raises anything on a config it cannot use
         first = (str(e).strip().splitlines() or [""])[0][:160]
         raise SourceError(f"{folder / 'config.json'}: transformers cannot build the model it "
