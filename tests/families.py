@@ -150,6 +150,19 @@ def olmoe() -> Built:
     return T.OlmoeForCausalLM(T.OlmoeConfig(**TEXT, num_experts=4, num_experts_per_tok=2)), _ids()
 
 
+def deepseek_v3() -> Built:
+    """Multi-head latent attention (LoRA-shaped q and kv), a dense first layer, then MoE
+    with a shared expert and grouped routing."""
+    import transformers as T
+
+    cfg = T.DeepseekV3Config(**{**TEXT, "num_key_value_heads": 4}, moe_intermediate_size=72,
+                             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                             first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                             n_group=2, topk_group=1)
+    return T.DeepseekV3ForCausalLM(cfg), _ids()
+
+
 def gpt_oss() -> Built:
     import transformers as T
 
@@ -164,5 +177,5 @@ FAMILIES: dict[str, Callable[[], Built]] = {
     "llava": llava, "gemma3_vlm": gemma3_vlm, "idefics3": idefics3, "mistral3": mistral3,
     "qwen2_5_vl": qwen2_5_vl,
     "clip": clip, "siglip": siglip, "mixtral": mixtral, "qwen2_moe": qwen2_moe,
-    "qwen3_moe": qwen3_moe, "olmoe": olmoe, "gpt_oss": gpt_oss,
+    "qwen3_moe": qwen3_moe, "olmoe": olmoe, "deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss,
 }

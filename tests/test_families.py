@@ -36,10 +36,12 @@ KEPT = {"mixtral": [MERGED],
         "qwen2_moe": [MERGED, ("mlp.gate.", "Qwen2MoeTopKRouter")],
         "qwen3_moe": [MERGED, ("mlp.gate.", "Qwen3MoeTopKRouter")],
         "olmoe": [MERGED, ("mlp.gate.", "OlmoeTopKRouter")],
+        "deepseek_v3": [MERGED, ("mlp.gate.", "DeepseekV3TopkRouter")],
         "gpt_oss": [("router", "GptOssTopKRouter")],
         "siglip": [RAW],
         "llava": [TOWER, PROJECTOR], "gemma3_vlm": [TOWER, RAW], "mistral3": [TOWER, PROJECTOR],
-        "idefics3": [TOWER, ("connector", "(the projector)")], "qwen2_5_vl": [("visual.", TOWER[1])]}
+        "idefics3": [TOWER, ("connector", "(the projector)")],
+        "qwen2_5_vl": [("visual.", TOWER[1])]}
 
 
 def _output(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
