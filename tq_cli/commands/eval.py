@@ -15,7 +15,8 @@ from tq_cli.commands.eval_modes import spec_from_flags
 from tq_cli.evaluation.spec import CompareSpec, KVEvalSpec, SweepSpec
 from tq_cli.io.text import Text, read_text
 
-HELP = "Measure what quantization costs: perplexity, KL and agreement, or embedding fidelity."
+HELP = ("Measure what quantization costs: perplexity, KL and agreement, embedding fidelity, "
+        "or image-text agreement.")
 EPILOG = """Examples:
 
   tq eval ./smol-tq4                       (reference: the source named in its manifest)
@@ -25,6 +26,13 @@ EPILOG = """Examples:
   tq eval ./SmolLM2-135M --sweep "bits=3,4 rotation=none,hadamard group-size=64,128"
 
   tq eval ./SmolLM2-135M --kv-bits 4,3.5,3,2.5 --kv-window 128 --needle
+
+  tq eval ./clip-tq4 --images ./my-photos  (CLIP/SigLIP; default: scikit-image's photos)
+
+Image-text models (CLIP, SigLIP) are compared on photographs, not text: the cosine of
+the candidate's image and caption embeddings to the reference's, and zero-shot agreement
+(does it pick the reference's caption for each photograph among a fixed list). Without
+--images: the labelled photographs that ship in scikit-image's wheel (downloaded once).
 
 KV cache (--kv-bits): each window's first half is prefilled through the cache, the rest
 is scored in chunks of --kv-chunk tokens that read it, against the same model with a
@@ -57,6 +65,9 @@ def main(
                                         help="With --sweep: where scratch checkpoints go."),
     write_card: bool = typer.Option(False, "--write-card",
                                     help="Add the result to the candidate's card and manifest."),
+    images: Path | None = typer.Option(None, "--images", help="Image-text models: a folder of "
+                                       "PNG/JPEG files, unlabelled (default: scikit-image's "
+                                       "labelled photographs)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
     kv_bits: str | None = typer.Option(None, "--kv-bits", help="Measure TurboQuant KV caches "
                                        "instead of weights, e.g. 4,3.5,3,2.5 or k4,v3."),
@@ -100,12 +111,13 @@ def main(
 
 
 def _compare(candidate: str, text: Text, spec: CompareSpec, as_json: bool) -> None:
+    from tq_cli.demo_model import photographs_folder
     from tq_cli.evaluation.compare import run_compare
 
     with progress_bar() as bar:
         task = bar.add_task("windows", total=None)
         result = run_compare(candidate, text, spec, progress=lambda done, total: bar.update(
-            task, completed=done, total=total))
+            task, completed=done, total=total), photographs=photographs_folder)
     if as_json:
         emit_json(result)
     else:
@@ -149,6 +161,15 @@ def result_table(r: dict[str, Any]) -> Table:
                 ("mean KL (nats/token)", f"{m['kl_mean']:.5f}"),
                 ("top-1 agreement", f"{m['top1_agreement']:.4f}"),
                 ("scored tokens", str(m["scored_tokens"]))]
+    elif r["kind"] == "image-text":
+        rows = [("image cosine mean", f"{m['image_cosine_mean']:.5f}"),
+                ("image cosine min", f"{m['image_cosine_min']:.5f}"),
+                ("text cosine mean", f"{m['text_cosine_mean']:.5f}"),
+                ("text cosine min", f"{m['text_cosine_min']:.5f}"),
+                ("zero-shot agreement", f"{m['zero_shot_agreement']:.4f}"),
+                ("reference top-1 accuracy", _fraction(m["reference_top1_accuracy"])),
+                ("candidate top-1 accuracy", _fraction(m["candidate_top1_accuracy"])),
+                ("photographs / captions", f"{m['photographs']} / {m['captions']}")]
     else:
         rows = [("cosine mean", f"{m['cosine_mean']:.5f}"),
                 ("cosine min", f"{m['cosine_min']:.5f}"),
@@ -157,12 +178,17 @@ def result_table(r: dict[str, Any]) -> Table:
     if "bits_per_weight" in r:
         rows.insert(0, ("bits per weight", f"{r['bits_per_weight']:.4f}"))
     s = r["settings"]
+    source = ("images", s["images"]) if "images" in s else ("text", s["text_source"])
     rows.append(("settings", ", ".join(f"{k}={v}" for k, v in s.items()
-                                       if k not in ("text_source",))))
-    rows.append(("text", s["text_source"]))
+                                       if k not in ("text_source", "images"))))
+    rows.append(source)
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _fraction(x: float | None) -> str:
+    return "n/a (no labels)" if x is None else f"{x:.4f}"
 
 
 def sweep_table(rows: list[dict[str, Any]]) -> Table:

@@ -28,7 +28,7 @@ NEEDLE = ("needle_lengths", "needle_seeds")
 SWEEP = ("rtn", "scratch")
 # The parameters (of tq_cli.commands.eval.main) each mode reads.
 READS: dict[Mode, frozenset[str]] = {
-    "compare": COMMON | {"reference", "stride", "write_card"},
+    "compare": COMMON | {"reference", "stride", "write_card", "images"},
     "sweep": COMMON | {"sweep", "stride", *SWEEP},
     "kv": COMMON | {"kv_bits", *KV_CACHE},  # and NEEDLE with --needle
     "needle": frozenset({"candidate", "device", "as_json", "needle", *NEEDLE}),
@@ -43,6 +43,8 @@ WHY: dict[tuple[str, str], str] = {
     ("reference", "sweep"): "each combination is compared with the source it was converted "
                             "from",
     ("write_card", "sweep"): "its checkpoints are scratch, deleted after each row",
+    ("images", "kv"): "KV caches are measured on text, not images",
+    ("images", "sweep"): "it compares on text, not images",
 }
 # Spec fields (dotted pydantic locations) whose flag is not --<field-name>.
 FIELD_FLAGS = {
@@ -158,7 +160,8 @@ def build_spec(mode: Mode, p: dict[str, Any]) -> ModeSpec:
         if mode == "compare":
             return CompareSpec.model_validate(_text_fields(p) | {
                 "stride": p["stride"], "reference": p["reference"],
-                "write_card": p["write_card"]})
+                "write_card": p["write_card"],
+                "images": str(p["images"]) if p["images"] is not None else None})
         if mode == "sweep":
             return SweepSpec.model_validate(_text_fields(p) | {
                 "stride": p["stride"], "grid": p["sweep"], "rtn": p["rtn"],

@@ -5,8 +5,11 @@ candidate's next-token distribution from the reference's, and top-1 agreement, o
 windows of `context` tokens (non-overlapping by default; `stride` for sliding windows).
 Encoders: mean-pooled, normalised embeddings of the text's paragraphs; cosine to the
 reference's (mean, min) and the Spearman correlation of the two pairwise-similarity
-matrices. Only one window's logits of each model are alive at a time. `run_compare` is
-the `tq eval` default mode (a CompareSpec); `evaluate` the comparison itself.
+matrices. Image-text models (CLIP, SigLIP): image and text embedding cosines and zero-shot
+agreement on photographs (evaluation/image_text.py), the labelled scikit-image set by
+default or a folder of the user's. Only one window's logits of each model are alive at a
+time. `run_compare` is the `tq eval` default mode (a CompareSpec); `evaluate` the
+comparison itself.
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ from torch import nn
 from tq_cli.errors import TqError, UnsupportedError
 from tq_cli.evaluation.spec import CompareSpec, EvalSpec
 from tq_cli.io.format import MANIFEST
+from tq_cli.io.images import CAPTIONS, PhotoSet, labelled_photographs, read_folder
 from tq_cli.io.manifest import read_manifest, write_json
 from tq_cli.io.source import resolve_source
 from tq_cli.io.text import Text, paragraphs
 
 Progress = Callable[[int, int], None]
+# Where the labelled photographs are: tq_cli.demo_model.photographs_folder, which the
+# library may not import (design.md, the rules), so the caller passes it.
+Photographs = Callable[[], Path]
 
 
 @dataclass(frozen=True)
@@ -201,15 +208,91 @@ def reference_for(candidate: Path, reference: str | None,
     return str(src)
 
 
+def processor_folder(folders: list[Path]) -> Path | None:
+    """The first of `folders` (or, for a tq checkpoint, its source) holding an image
+    processor (preprocessor_config.json), or None."""
+    for folder in folders:
+        if (folder / "preprocessor_config.json").is_file():
+            return folder
+        if is_tq_folder(folder):
+            src = source_path(folder, read_manifest(folder))
+            if (src / "preprocessor_config.json").is_file():
+                return src
+    return None
+
+
+def pixel_values(photos: PhotoSet, folders: list[Path], model: nn.Module
+                 ) -> tuple[torch.Tensor, str]:
+    """The photographs as the model's input, and how they were prepared: with the image
+    processor of the first of `folders` that has one, else `clip_pixels` at the vision
+    tower's image_size (CLIP's resize, centre crop, mean and std)."""
+    from tq_cli.evaluation.image_text import clip_pixels
+
+    images = [p.image for p in photos.photos]
+    folder = processor_folder(folders)
+    if folder is not None:
+        from transformers import AutoImageProcessor
+
+        processor = AutoImageProcessor.from_pretrained(folder)
+        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+        return pixels.float(), f"{type(processor).__name__} of {folder}"
+    vision = getattr(model.config, "vision_config", None)
+    size = getattr(vision, "image_size", None)
+    if not isinstance(size, int):
+        raise UnsupportedError(f"{folders[0]}: no preprocessor_config.json and no "
+                               "vision_config.image_size; copy the model's "
+                               "preprocessor_config.json into it")
+    return clip_pixels(images, size), (f"no preprocessor_config.json: resized and "
+                                       f"centre-cropped to {size}, CLIP mean/std")
+
+
+def photo_set(images: str | Path | None, photographs: Photographs | None) -> PhotoSet:
+    """A user's folder (unlabelled), else the labelled photographs."""
+    if images is not None:
+        return read_folder(images)
+    if photographs is None:
+        raise TqError("an image-text model is compared on photographs: pass a folder of "
+                      "PNG/JPEG files (--images), or photographs="
+                      "tq_cli.demo_model.photographs_folder")
+    return labelled_photographs(photographs())
+
+
+def compare_image_text(ref: nn.Module, cand: nn.Module, folders: list[Path],
+                       tokenizer: Any, photos: PhotoSet, progress: Progress | None = None
+                       ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """(metrics, settings, each photograph's zero-shot picks) of cand against ref on the
+    photographs and CAPTIONS; `folders` are where an image processor is looked for."""
+    from tq_cli.evaluation.image_text import caption_inputs, image_text_metrics
+
+    pixels, how = pixel_values(photos, folders, ref)
+    labels = [None if p.label is None else CAPTIONS.index(p.label) for p in photos.photos]
+    metrics = image_text_metrics(ref, cand, pixels, caption_inputs(tokenizer, CAPTIONS, ref),
+                                 caption_inputs(tokenizer, CAPTIONS, cand), labels, progress)
+    ref_pick, cand_pick = metrics.pop("reference_choices"), metrics.pop("candidate_choices")
+    picks = [{"photo": p.name, "label": p.label, "reference": CAPTIONS[r],
+              "candidate": CAPTIONS[c]}
+             for p, r, c in zip(photos.photos, ref_pick, cand_pick, strict=True)]
+    settings = {"images": photos.source, "images_sha256": photos.sha256,
+                "photographs": len(photos.photos), "captions": len(CAPTIONS),
+                "preprocessing": how}
+    return metrics, settings, picks
+
+
 def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: EvalSpec,
              progress: Progress | None = None,
-             cache: dict[str, tuple[nn.Module, Path]] | None = None) -> dict[str, Any]:
-    """Compare candidate with reference on text; a JSON-ready dict of metrics and settings.
+             cache: dict[str, tuple[nn.Module, Path]] | None = None,
+             images: str | Path | None = None,
+             photographs: Photographs | None = None) -> dict[str, Any]:
+    """Compare candidate with reference on text (image-text models: on photographs); a
+    JSON-ready dict of metrics and settings.
 
     `cache` keeps the loaded reference between calls (a sweep evaluates many candidates
-    against one reference).
+    against one reference). `images`: a folder of PNG/JPEG files for an image-text model;
+    without it `photographs()` gives the folder of the labelled photographs
+    (tq_cli.demo_model.photographs_folder, called only for an image-text model).
     """
     from tq_cli.device import resolve_device
+    from tq_cli.evaluation.image_text import is_image_text
     from tq_cli.runtime.hf_models import is_causal, load_tokenizer
 
     device = resolve_device(spec.device)
@@ -229,7 +312,24 @@ def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: Eva
         "text_source": text.source, "text_sha256": text.sha256, "device": str(device),
         "dtype": "float32",
     }
-    if is_causal(ref):
+    extra: dict[str, Any] = {}
+    if is_image_text(ref) or is_image_text(cand):
+        if not (is_image_text(ref) and is_image_text(cand)):
+            raise UnsupportedError(f"{cand_folder} and {ref_folder}: only one of them is an "
+                                   "image-text model; pass the reference it was converted from")
+        if spec.stride is not None:
+            raise UnsupportedError(
+                f"{ref_folder}: --stride applies to causal LMs; an image-text model embeds "
+                "photographs and captions; drop --stride")
+        metrics, shown, extra["zero_shot"] = compare_image_text(
+            ref, cand, [cand_folder, ref_folder], tokenizer, photo_set(images, photographs),
+            progress)
+        settings = {**shown, "device": str(device), "dtype": "float32"}
+        kind = "image-text"
+    elif images is not None:
+        raise UnsupportedError(f"{ref_folder}: --images applies to image-text models (CLIP, "
+                               "SigLIP), which this is not; drop --images")
+    elif is_causal(ref):
         longest = getattr(ref.config, "max_position_embeddings", None)
         if isinstance(longest, int) and spec.context > longest:
             raise UnsupportedError(
@@ -255,7 +355,8 @@ def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: Eva
         kind = "encoder"
     result: dict[str, Any] = {"kind": kind, "candidate": str(cand_folder),
                               "reference": str(ref_folder), "settings": settings,
-                              "metrics": metrics, "seconds": round(time.perf_counter() - t0, 2)}
+                              "metrics": metrics, "seconds": round(time.perf_counter() - t0, 2),
+                              **extra}
     if manifest is not None:
         result["bits_per_weight"] = manifest["summary"]["bits_per_weight"]
     return result
@@ -274,13 +375,16 @@ def write_card(candidate: Path, result: dict[str, Any]) -> None:
 
 
 def run_compare(candidate: str | Path, text: Text, spec: CompareSpec,
-                progress: Progress | None = None) -> dict[str, Any]:
-    """`tq eval`'s default mode: `evaluate` candidate against spec.reference, then with
-    spec.write_card record the result in the candidate's manifest and card."""
+                progress: Progress | None = None,
+                photographs: Photographs | None = None) -> dict[str, Any]:
+    """`tq eval`'s default mode: `evaluate` candidate against spec.reference (an
+    image-text model on spec.images, else on `photographs()`), then with spec.write_card
+    record the result in the candidate's manifest and card."""
     if spec.write_card and not is_tq_folder(resolve_source(candidate)):
         raise TqError(f"{candidate}: not a tq checkpoint, so --write-card has no card to "
                       "write to; drop it")
-    result = evaluate(candidate, spec.reference, text, spec, progress)
+    result = evaluate(candidate, spec.reference, text, spec, progress, images=spec.images,
+                      photographs=photographs)
     if spec.write_card:
         write_card(Path(result["candidate"]), result)
     return result

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -30,6 +31,7 @@ from tq_cli.conversion.spec import ConvertSpec
 from tq_cli.device import Device
 from tq_cli.errors import TqError, first_error
 from tq_cli.evaluation.kv_baselines import supported_bits
+from tq_cli.io.images import image_files
 from tq_cli.kvcache.spec import KVSpec, SplitPolicy, resolve_bits
 
 Backend = Literal["quanto", "hqq"]  # transformers' QuantizedCache backends (kv_baselines)
@@ -62,10 +64,26 @@ class EvalSpec(_Frozen):
 
 class CompareSpec(EvalSpec):
     """The default mode: a candidate against a reference (None: the source named in the
-    candidate's manifest); `write_card` records the result in the candidate's card."""
+    candidate's manifest); `write_card` records the result in the candidate's card;
+    `images`, for an image-text model, a folder of PNG/JPEG files to compare on."""
 
     reference: str | None = None
     write_card: bool = False
+    images: str | None = Field(None, description="image-text models (CLIP, SigLIP): a "
+                               "folder of PNG/JPEG files, unlabelled (None: the labelled "
+                               "photographs of scikit-image's wheel)")
+
+    @field_validator("images")
+    @classmethod
+    def _images_to_read(cls, images: str | None) -> str | None:
+        if images is not None:
+            folder = Path(images)
+            if not folder.is_dir():
+                raise ValueError(f"{images} is not a folder")
+            if not image_files(folder):
+                raise ValueError(f"{images} holds no PNG or JPEG file; pass a folder of "
+                                 "images")
+        return images
 
 
 class NeedleSpec(_Frozen):
