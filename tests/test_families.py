@@ -39,7 +39,7 @@ KEPT = {"mixtral": [MERGED],
         "deepseek_v3": [MERGED, ("mlp.gate.", "DeepseekV3TopkRouter")],
         "gpt_oss": [("router", "GptOssTopKRouter")],
         "siglip": [RAW],
-        "llava": [TOWER, PROJECTOR], "gemma3_vlm": [TOWER, RAW], "mistral3": [TOWER, PROJECTOR],
+        "llava": [TOWER, PROJECTOR], "gemma3_vlm": [TOWER], "mistral3": [TOWER, PROJECTOR],
         "idefics3": [TOWER, ("connector", "(the projector)")],
         "qwen2_5_vl": [("visual.", TOWER[1])]}
 
@@ -47,7 +47,9 @@ KEPT = {"mixtral": [MERGED],
 def _output(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
         out = model(**inputs)
-    return out.logits_per_image if hasattr(out, "logits_per_image") else out.logits
+    if hasattr(out, "image_embeds"):  # CLIP, SigLIP: both towers' embeddings
+        return torch.cat([out.image_embeds.flatten(), out.text_embeds.flatten()])
+    return out.logits
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -107,10 +109,14 @@ def test_renamed_modules_are_recorded(family: Any) -> None:
     name, _, out, _, _ = family
     manifest = json.loads((out / "tq_manifest.json").read_text())
     moved = {e["name"]: e["module"] for e in manifest["tensors"] if "module" in e}
-    if name in ("llava", "mistral3"):  # their checkpoints keep transformers 4's names
-        q = "language_model.model.layers.0.self_attn.q_proj.weight"
+    # Their checkpoints keep transformers 4's names; the loader renames them.
+    saved = {"llava": "language_model.model.", "mistral3": "language_model.model.",
+             "gemma3_vlm": "language_model.model.", "qwen2_5_vl": "model."}
+    if name in saved:
+        q = f"{saved[name]}layers.0.self_attn.q_proj.weight"
         assert moved[q] == "model.language_model.layers.0.self_attn.q_proj"
-    elif name not in ("gemma3_vlm", "idefics3", "qwen2_5_vl"):
+        assert len(moved) == 14  # every converted tensor: 2 layers x 7 projections
+    else:
         assert moved == {}
 
 
@@ -147,7 +153,8 @@ def test_the_users_recipe_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedError) as e:
         convert(tmp_path / "src", tmp_path / "out", spec)
     assert str(e.value).endswith(
-        "tensor 'model.layers.0.mlp.router.weight' cannot run quantized (it is 'weight' of "
+        "tensor 'model.layers.0.mlp.router.weight' (and 1 more) cannot run quantized (it is "
+        "'weight' of "
         "GptOssTopKRouter, not the weight of an nn.Linear); add a keep rule for it to "
         "recipe 'all'")
     assert not (tmp_path / "out").exists()
@@ -158,3 +165,41 @@ def test_transformers_loads_it_with_no_missing_or_unexpected_key(family: Any) ->
     cls = type(tq_cli.load(out, device="cpu"))
     _, info = cls.from_pretrained(out, output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}
+
+
+def test_a_tied_head_is_kept_or_refused(tmp_path: Path) -> None:
+    """lm_head tied to the embeddings: transformers shares one tensor, so tq keeps it."""
+    import transformers as T
+    from families import TEXT
+
+    torch.manual_seed(0)
+    model = T.Qwen3ForCausalLM(T.Qwen3Config(**TEXT, head_dim=24, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path / "src")
+    recipe = tmp_path / "all.toml"
+    recipe.write_text('name = "all"\nskip_non_2d = true\n\n[[rules]]\npattern = "*embed*"\n'
+                      'action = "keep"\n\n[[rules]]\npattern = "*.weight"\n')
+    # As some hub checkpoints do: the tied head stored under its own name as well.
+    from safetensors.torch import load_file, save_file
+
+    shard = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(shard)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(UnsupportedError, match="tensor 'lm_head.weight' cannot run quantized "
+                                               r"\(transformers ties it to "):
+        convert(tmp_path / "src", tmp_path / "out",
+                SPEC.model_copy(update={"recipe": str(recipe)}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_with_its_own_code_is_converted_unchecked_and_said(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, _ = FAMILIES["qwen3"]()
+    model.save_pretrained(tmp_path / "src")
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (tmp_path / "src" / "config.json").write_text(json.dumps(cfg))
+    r = convert(tmp_path / "src", tmp_path / "out", SPEC)
+    assert ("not checked that each converted tensor loads back: the model brings its own "
+            "code (auto_map), which tq never runs") in r.warnings
+    assert r.check_seconds < 1.0

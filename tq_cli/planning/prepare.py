@@ -106,28 +106,37 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool) -> None:
                              "converted tensor loads back as an nn.Linear; pip install "
                              "'tq[models]' for the check")
         return
-    from tq_cli.runtime.module_map import place_in_folder
+    from tq_cli.runtime.module_map import place_in_folder, unchecked_because
 
     model, plan = planned.model, planned.plan
     assert model.config is not None  # make_plan refuses a folder without one
+    skipped = unchecked_because(model.config)
+    if skipped:
+        planned.notes.append(f"not checked that each converted tensor loads back: {skipped}")
+        return
     placed = place_in_folder(planned.folder, model.config, planned.converted_names)
-    planned.keep = {n: p.reason or "" for n, p in placed.items() if p.module is None}
-    if planned.keep and not builtin:
-        name, why = next(iter(planned.keep.items()))
-        info = model.tensors[name]
+    # A VLM's vision tower and projector first: kept by policy, whatever else they are.
+    planned.keep = {n: POLICY[p.part] for n, p in placed.items()
+                    if p.part in POLICY and not (vision and p.part == "vision")}
+    cannot = {n: p.reason or "" for n, p in placed.items()
+              if p.module is None and n not in planned.keep}
+    if cannot and not builtin:
+        name, why = next(iter(cannot.items()))
+        more = f" (and {len(cannot) - 1} more)" if len(cannot) > 1 else ""
         raise UnsupportedError(
-            f"{info.file.name}: tensor '{name}' cannot run quantized ({why}); add a keep "
-            f"rule for it to recipe '{planned.recipe.name}'")
-    for n, p in placed.items():
-        if p.module is not None and p.part in POLICY and not (vision and p.part == "vision"):
-            planned.keep[n] = POLICY[p.part]
+            f"{model.tensors[name].file.name}: tensor '{name}'{more} cannot run quantized "
+            f"({why}); add a keep rule for it to recipe '{planned.recipe.name}'")
+    planned.keep |= cannot
     planned.modules = {n: p.module for n, p in placed.items()
                        if p.module is not None and n not in planned.keep
                        and p.module != n.removesuffix(".weight")}
+    total = sum(model.tensors[n].numel for n in placed)
     for why in dict.fromkeys(planned.keep.values()):
         names = [n for n, w in planned.keep.items() if w == why]
+        share = sum(model.tensors[n].numel for n in names) / max(total, 1)
         planned.notes.append(f"kept in full precision: {len(names)} tensor(s) the recipe "
-                             f"converts, such as '{names[0]}': {why}")
+                             f"converts ({share:.0%} of its weights), such as '{names[0]}': "
+                             f"{why}")
     if planned.keep or planned.modules:
         planned.plan = make_plan(model, planned.recipe, plan.quant, plan.rotation,
                                  planned.seeds, planned.max_shard_bytes,

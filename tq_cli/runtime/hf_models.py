@@ -97,7 +97,7 @@ def build_skeleton(folder: Path, config: dict, real_buffers: bool = True) -> nn.
     from transformers import AutoConfig
 
     cls = model_class(config)
-    cfg = AutoConfig.from_pretrained(folder)
+    cfg = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     build = cls._from_config if hasattr(cls, "_from_config") else cls.from_config
     if real_buffers:
         from accelerate import init_empty_weights

@@ -61,10 +61,15 @@ def place(model: nn.Module, names: list[str]) -> dict[str, Placement]:
     modules = dict(model.named_modules())
     prefix = getattr(model, "base_model_prefix", "") or ""
     towers = _towers(model, modules)
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    tied |= {v: k for k, v in tied.items()}
     out: dict[str, Placement] = {}
     for name in names:
         key, converter = rename_source_key(name, renamings, converters, prefix, params)
         p = _placement(name, key, converter, modules, params)
+        if p.module is not None and key in tied:
+            p = Placement(name, None, f"transformers ties it to '{tied[key]}', which tq "
+                                      "keeps in full precision")
         if towers is not None:
             part = next((kind for path, kind in towers if key.startswith(path + ".")), "other")
             p = Placement(p.source, p.module, p.reason, part)
@@ -89,10 +94,11 @@ def _towers(model: Any, modules: dict[str, nn.Module]) -> list[tuple[str, str]] 
         sub = getattr(m, "config", None)
         if not path or sub is None or not hasattr(m, "can_generate"):
             continue  # the root, or not a transformers sub-model
-        if type(sub) is type(text):
-            found.append((path, "text"))
-        elif type(sub) is type(vision):
+        # The very config objects: a vision config may be of a text config's class.
+        if sub is vision:
             found.append((path, "vision"))
+        elif sub is text:
+            found.append((path, "text"))
     return found
 
 
@@ -117,6 +123,28 @@ def _placement(name: str, key: str, converter: str | None, modules: dict[str, nn
     return Placement(name, path)
 
 
+def unchecked_because(config: dict) -> str | None:
+    """Why this transformers cannot check where tensors land (then convert warns and
+    writes without the check), or None: a transformers without conversion mappings (4.x),
+    a model type it does not know (newer than it), or a model with its own code."""
+    import importlib.util
+
+    import transformers
+
+    if importlib.util.find_spec("transformers.conversion_mapping") is None:
+        return (f"transformers {transformers.__version__} has no conversion mappings; "
+                "transformers 5 does the check")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if config.get("auto_map"):
+        return "the model brings its own code (auto_map), which tq never runs"
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        return (f"transformers {transformers.__version__} does not know model_type "
+                f"'{model_type}'; upgrade it for the check")
+    return None
+
+
 def place_in_folder(folder: Path, config: dict, names: list[str]) -> dict[str, Placement]:
     """`place` for a model folder: its skeleton is built from config.json on meta."""
     from tq_cli.runtime.hf_models import build_skeleton
@@ -124,8 +152,10 @@ def place_in_folder(folder: Path, config: dict, names: list[str]) -> dict[str, P
     try:
         model = build_skeleton(folder, config, real_buffers=False)
     except ImportError as e:  # a package the model's code needs: not the config's fault
-        raise UnsupportedError(f"{folder}: transformers cannot build this model without "
-                               f"{e.name or e}; install it (pip install 'tq[models]')") from None
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise UnsupportedError(f"{folder}: transformers needs a package it cannot import to "
+                               f"build this model ({e.name or first}); install it and "
+                               "convert again") from None
     except Exception as e:  # transformers raises anything on a config it cannot use
         first = (str(e).strip().splitlines() or [""])[0][:160]
         raise SourceError(f"{folder / 'config.json'}: transformers cannot build the model it "

@@ -154,10 +154,12 @@ class TQConfig(QuantizationConfig):
         weight_map = _weight_map(folder)
         self.folder = str(folder.resolve())
         self.guard = manifest.get("guard")
+        # vLLM maps checkpoint names itself (hf_to_vllm_mapper): by the source name,
+        # not the module transformers renames it to.
         self.tensors = {
-            e.module: LayerInfo(bits=e.spec.bits, group_size=e.spec.group_size,
-                                 out_features=e.shape[0], in_features=e.shape[1],
-                                 rotation=e.rotation_id, block=e.block)
+            e.name.removesuffix(".weight"): LayerInfo(
+                bits=e.spec.bits, group_size=e.spec.group_size, out_features=e.shape[0],
+                in_features=e.shape[1], rotation=e.rotation_id, block=e.block)
             for e in converted_entries(manifest)}
         self.rotations = {
             rid: RotationInfo(info["kind"], info["n"], info["block"],
