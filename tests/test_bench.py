@@ -56,10 +56,13 @@ def test_quick_run_has_every_section(quick_result: dict[str, Any]) -> None:
 
 
 def test_matching_baseline_passes_exactly(quick_result: dict[str, Any], tmp_path: Path) -> None:
-    # Quality is deterministic: the same numbers come back, so even a zero tolerance passes.
+    # Quality is deterministic up to float summation order: the native CPU fit and the
+    # torch fit differ by up to 8e-6 relative on the heavy-tailed matrix (measured), and a
+    # run where one of them could not be used (a kernel cache being rebuilt) mixes them, so
+    # the tolerance is 1e-4 relative (0.01%), a hundred times below the CI gate's 1%.
     base = _baseline(tmp_path, quick_result)
     r = runner.invoke(app, ["bench", "--section", "quality", "--device", "cpu",
-                            "--baseline", str(base), "--max-regression", "0"])
+                            "--baseline", str(base), "--max-regression", "1e-4"])
     assert r.exit_code == 0, r.output
     assert "no regression" in r.stderr
 
