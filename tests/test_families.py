@@ -202,4 +202,3 @@ def test_a_model_with_its_own_code_is_converted_unchecked_and_said(tmp_path: Pat
     r = convert(tmp_path / "src", tmp_path / "out", SPEC)
     assert ("not checked that each converted tensor loads back: the model brings its own "
             "code (auto_map), which tq never runs") in r.warnings
-    assert r.check_seconds < 1.0
