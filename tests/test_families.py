@@ -3,9 +3,10 @@ and dequantized, with what tq cannot run yet kept in full precision and said so.
 
 Planning asks transformers what it will build (tq_cli.runtime.module_map): renamed
 modules (LLaVA's language model) are found, and tensors tq could not load back or run
-(fused MoE experts, a router that is not an nn.Linear, the weight nn.MultiheadAttention
-reads raw in SigLIP's pooling head) are kept by the built-in recipes and refused by
-name when the user's own recipe asks for them.
+(a router that is not an nn.Linear, gpt-oss's experts stored as 3-D tensors, the weight
+nn.MultiheadAttention reads raw in SigLIP's pooling head) are kept by the built-in
+recipes and refused by name when the user's own recipe asks for them. A MoE's experts,
+which transformers fuses, run per expert (tests/test_moe.py has the details).
 """
 
 from __future__ import annotations
@@ -28,16 +29,15 @@ from tq_kernels import cpu
 
 SPEC = ConvertSpec(quant=QuantSpec(bits=4, group_size=32), device="cpu")
 # What each family keeps although the recipe converts it, and why (the manifest says).
-MERGED = ("experts.", "merges it with other tensors")
+FUSED = ("experts.", "a MoE's experts stored as one 3-D tensor")
 TOWER = ("vision", "the vision tower of an image-text model; pass --vision")
 PROJECTOR = ("projector", "(the projector)")
 RAW = ("head.attention.out_proj", "MultiheadAttention reads it as a raw tensor")
-KEPT = {"mixtral": [MERGED],
-        "qwen2_moe": [MERGED, ("mlp.gate.", "Qwen2MoeTopKRouter")],
-        "qwen3_moe": [MERGED, ("mlp.gate.", "Qwen3MoeTopKRouter")],
-        "olmoe": [MERGED, ("mlp.gate.", "OlmoeTopKRouter")],
-        "deepseek_v3": [MERGED, ("mlp.gate.", "DeepseekV3TopkRouter")],
-        "gpt_oss": [("router", "GptOssTopKRouter")],
+KEPT = {"qwen2_moe": [("mlp.gate.", "Qwen2MoeTopKRouter")],
+        "qwen3_moe": [("mlp.gate.", "Qwen3MoeTopKRouter")],
+        "olmoe": [("mlp.gate.", "OlmoeTopKRouter")],
+        "deepseek_v3": [("mlp.gate.", "DeepseekV3TopkRouter")],
+        "gpt_oss": [("router", "GptOssTopKRouter"), FUSED],
         "siglip": [RAW],
         "llava": [TOWER, PROJECTOR], "gemma3_vlm": [TOWER], "mistral3": [TOWER, PROJECTOR],
         "idefics3": [TOWER, ("connector", "(the projector)")],
@@ -112,12 +112,24 @@ def test_renamed_modules_are_recorded(family: Any) -> None:
     # Their checkpoints keep transformers 4's names; the loader renames them.
     saved = {"llava": "language_model.model.", "mistral3": "language_model.model.",
              "gemma3_vlm": "language_model.model.", "qwen2_5_vl": "model."}
+    experts = {e["name"]: e["expert"] for e in manifest["tensors"] if "expert" in e}
     if name in saved:
         q = f"{saved[name]}layers.0.self_attn.q_proj.weight"
         assert moved[q] == "model.language_model.layers.0.self_attn.q_proj"
         assert len(moved) == 14  # every converted tensor: 2 layers x 7 projections
+    elif name == "mixtral":  # block_sparse_moe.experts.3.w1 runs in mlp.experts
+        w1 = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+        assert moved[w1] == "model.layers.1.mlp.experts.3.w1"
+        assert experts[w1] == {"of": "model.layers.1.mlp.experts", "index": 3, "role": "gate"}
+        assert len(moved) == len(experts) == 2 * 4 * 3  # layers x experts x projections
     else:
         assert moved == {}
+    if name in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"):
+        roles = {(e["of"], e["index"], e["role"]) for e in experts.values()}
+        assert len(roles) == len(experts) > 0
+        assert {r for _, _, r in roles} == {"gate", "up", "down"}
+    elif name != "mixtral":
+        assert experts == {}
 
 
 def test_a_vlm_converts_its_vision_tower_on_request(tmp_path: Path,

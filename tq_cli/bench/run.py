@@ -19,12 +19,14 @@ import torch
 import tq_cli.bench.conversion as conversion
 import tq_cli.bench.kernels as kernels
 import tq_cli.bench.kv as kv
+import tq_cli.bench.moe as moe
 import tq_cli.bench.quality as quality
 from tq_cli.bench.metrics import Comparison, Metric, compare, environment
 
 SECTIONS = ("quality", "kernels", "conversion")
-# Run only when asked for (--section kv): it times a 30-layer model at 8k context.
-OPTIONAL_SECTIONS = ("kv",)
+# Run only when asked for (--section kv: it times a 30-layer model at 8k context; --section
+# moe: it builds a 64-expert layer).
+OPTIONAL_SECTIONS = ("kv", "moe")
 RESULT_VERSION = 1
 
 
@@ -86,6 +88,9 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
         metrics.update(m)
     if "kv" in spec.sections:
         sections["kv"], m = kv.run(spec.device, spec.quick, progress)
+        metrics.update(m)
+    if "moe" in spec.sections:
+        sections["moe"], m = moe.run(spec.device, spec.quick, spec.bits, progress)
         metrics.update(m)
     return BenchResult(spec, sections, metrics, environment(spec.device),
                        time.perf_counter() - t0)

@@ -44,10 +44,12 @@ from tq_cli.io.calibration import (
     CalibrationWriter,
     check_out,
 )
+from tq_cli.io.format import Expert
 from tq_cli.io.safetensors_reader import SourceModel
 from tq_cli.io.text import Text
 from tq_cli.planning.prepare import PlannedSource
 from tq_cli.runtime.hf_models import build_skeleton
+from tq_cli.runtime.module_map import ParamSources
 from tq_cli.version import __version__
 
 __all__ = ["CalibResult", "CalibSpec", "calibrate", "calibrate_planned", "token_sequences"]
@@ -164,7 +166,8 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
     modules = dict(model.named_modules())
     wanted = {c for n in names for c in candidates(n.removesuffix(".weight"), prefix)}
     bpath, blocks = find_blocks(model, cfg.num_hidden_layers, wanted)
-    layers = place_layers(model, names, recipe, prefix, bpath, len(blocks))
+    layers = place_layers(model, names, recipe, prefix, bpath, len(blocks),
+                          _experts(model, names))
     if layers.uncalibrated:
         reasons = "; ".join(sorted(set(layers.uncalibrated.values())))
         note(f"{len(layers.uncalibrated)} converted tensors get no calibration "
@@ -184,6 +187,9 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
         "tensors": {t: g.key for g in groups for t in g.members.values()},
         "groups": {g.key: list(g.members.values()) for g in groups},
         "uncalibrated": layers.uncalibrated,
+        # One expert's projections of a MoE layer: their tokens are those routed to it.
+        "routed": sorted(n for t in layers.taps for g in t.groups.values()
+                         for n in g.members.values()),
     }
     with CalibrationWriter(out_path, {g.key: g.n for g in groups}, meta) as writer:
         def flush(g: InputGroup) -> None:
@@ -202,13 +208,34 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
                        sorted(layers.uncalibrated), warnings)
 
 
+def _experts(model: nn.Module, names: list[str]) -> dict[str, Expert]:
+    """The converted tensors that are one expert's projection of a MoE layer (fused in
+    the model transformers builds), found by the same placement convert checks."""
+    from tq_cli.runtime.module_map import place
+
+    try:
+        placed = place(model, names)
+    except ImportError:  # a transformers without conversion mappings fuses no experts
+        return {}
+    return {n: p.expert for n, p in placed.items() if p.expert is not None}
+
+
+def _param_sources(model: nn.Module, names: list[str]) -> ParamSources | None:
+    from tq_cli.runtime.module_map import param_sources
+
+    try:
+        return param_sources(model, names)
+    except ImportError:  # transformers 4: no renames to know of
+        return None
+
+
 @torch.no_grad()
 def _run(model: nn.Module, src: SourceModel, prefix: str, bpath: str, blocks: nn.ModuleList,
          layers: PlacedLayers, modules: dict[str, nn.Module], seqs: torch.Tensor, batch: int,
          device: torch.device, flush: Callable[[InputGroup], None],
          progress: Progress | None) -> None:
     """Catch block 0's inputs, then run, accumulate and release one block at a time."""
-    weights = BlockWeights(src, prefix, device)
+    weights = BlockWeights(src, prefix, device, _param_sources(model, list(src.tensors)))
     # The base model's weights outside the blocks: embeddings, and the (small) final norm.
     base: nn.Module = getattr(model, "base_model", model)
     base_path = next(n for n, m in modules.items() if m is base)
@@ -218,7 +245,8 @@ def _run(model: nn.Module, src: SourceModel, prefix: str, bpath: str, blocks: nn
     total = len(blocks) + (1 if layers.tail else 0)
     for i, block in enumerate(blocks):
         weights.load(block, f"{bpath}.{i}")
-        handles = add_hooks(layers.blocks[i], modules)
+        handles = add_hooks(layers.blocks[i], modules,
+                            [t for t in layers.taps if t.of.startswith(f"{bpath}.{i}.")])
         try:
             for j, (args, kwargs) in enumerate(inputs):
                 for g in layers.blocks[i]:

@@ -4,19 +4,24 @@ Each converted linear layer's input feeds a float64 accumulator (per-batch x^T x
 float32, added in float64) through a forward pre-hook; layers that read the same input
 (the recipe's `input_groups`: q/k/v, gate/up) share one `InputGroup`. `place_layers`
 maps tensor names to modules and sorts the groups by block; a head that reads the
-final norm of the last block (lm_head) is the tail.
+final norm of the last block (lm_head) is the tail. A MoE layer's experts, fused in the
+model, are tapped at the experts module: each expert's Hessians come from the tokens
+routed to it (`ExpertTap`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tq_cli.calibration.skeleton import candidates
 from tq_cli.errors import UnsupportedError
+from tq_cli.io.format import Expert
 from tq_cli.planning.recipe import Recipe
 
 
@@ -68,18 +73,82 @@ class PlacedLayers:
     tail: list[InputGroup]
     tail_norm: nn.Module | None
     uncalibrated: dict[str, str]  # tensor -> reason
+    taps: list[ExpertTap] = field(default_factory=list)  # the MoE layers' routed inputs
 
     def all(self) -> list[InputGroup]:
         return [g for gs in self.blocks for g in gs] + self.tail
 
 
+class ExpertTap:
+    """The inputs of one MoE layer's experts: each expert's gate and up projections read
+    the tokens the router sent it, its down projection act(gate(x)) * up(x) of those
+    tokens, computed from the layer's own (fused, full-precision) weights."""
+
+    def __init__(self, of: str, groups: dict[tuple[int, str], InputGroup]) -> None:
+        self.of = of
+        self.groups = groups  # (expert, "in" | "down") -> group
+
+    def hook(self, module: nn.Module) -> Any:
+        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            named = ("hidden_states", "top_k_index", "top_k_weights")
+            hidden, index = (*args, *(kwargs.get(k) for k in named[len(args):]))[:2]
+            self.add(mod, hidden, index)
+        return module.register_forward_pre_hook(pre, with_kwargs=True)
+
+    def add(self, mod: Any, hidden: torch.Tensor, index: torch.Tensor) -> None:
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        k = index.shape[-1]
+        flat = index.reshape(-1)
+        for e in torch.unique(flat).tolist():
+            rows = (flat == e).nonzero().flatten() // k
+            if (e, "in") not in self.groups:
+                continue  # transformers' marker of a masked slot
+            x = hidden[rows]
+            gate, up = F.linear(x, mod.gate_up_proj[e].to(x.dtype)).chunk(2, dim=-1)
+            for kind, inp in (("in", x), ("down", mod.act_fn(gate) * up)):
+                g = self.groups[(e, kind)]
+                g.last = None
+                for member in g.members:
+                    g.add(member, inp)
+
+
+def _expert_taps(experts: Mapping[str, Expert], modules: dict[str, nn.Module], bpath: str,
+                 out: PlacedLayers) -> list[ExpertTap]:
+    layers: dict[str, dict[tuple[int, str], dict[str, str]]] = {}
+    for name, ex in experts.items():
+        kind = "down" if ex.role == "down" else "in"
+        layers.setdefault(ex.of, {}).setdefault((ex.index, kind), {})[
+            f"{ex.of}.{ex.index}.{ex.role}"] = name
+    taps = []
+    for of, members in layers.items():
+        owner: Any = modules[of]
+        hidden, inter = int(owner.down_proj.shape[1]), int(owner.down_proj.shape[2])
+        groups = {key: InputGroup(f"{of}.{key[0]}.{'+'.join(m.rpartition('.')[2] for m in ms)}",
+                                  ms, inter if key[1] == "down" else hidden)
+                  for key, ms in sorted(members.items())}
+        if not of.startswith(bpath + "."):
+            for ms in members.values():
+                for name in ms.values():
+                    out.uncalibrated[name] = "an expert outside the blocks"
+            continue
+        out.blocks[int(of[len(bpath) + 1:].split(".")[0])].extend(groups.values())
+        taps.append(ExpertTap(of, groups))
+    return taps
+
+
 def place_layers(model: nn.Module, names: list[str], recipe: Recipe, prefix: str,
-                 bpath: str, n_blocks: int) -> PlacedLayers:
-    """Map converted tensor names to modules and group them by block and shared input."""
+                 bpath: str, n_blocks: int,
+                 experts: Mapping[str, Expert] | None = None) -> PlacedLayers:
+    """Map converted tensor names to modules and group them by block and shared input;
+    `experts` (tq_cli.runtime.module_map) are the tensors that are one expert's projection
+    of a MoE layer: their inputs are the tokens routed to that expert (`ExpertTap`)."""
     modules = dict(model.named_modules())
     found: dict[str, str] = {}  # module path -> tensor name
     out = PlacedLayers([[] for _ in range(n_blocks)], [], None, {})
+    out.taps = _expert_taps(experts or {}, modules, bpath, out)
     for name in names:
+        if name in (experts or {}):
+            continue
         base = name.removesuffix(".weight")
         path = next((c for c in candidates(base, prefix) if c in modules), None)
         if not name.endswith(".weight") or path is None:
@@ -120,9 +189,13 @@ def place_layers(model: nn.Module, names: list[str], recipe: Recipe, prefix: str
     return out
 
 
-def add_hooks(groups: list[InputGroup], modules: dict[str, nn.Module]) -> list[Any]:
-    handles = []
+def add_hooks(groups: list[InputGroup], modules: dict[str, nn.Module],
+              taps: Sequence[ExpertTap] = ()) -> list[Any]:
+    handles = [t.hook(modules[t.of]) for t in taps]
+    tapped = {id(g) for t in taps for g in t.groups.values()}
     for g in groups:
+        if id(g) in tapped:
+            continue
         for path in g.members:
             def pre(_mod: nn.Module, args: tuple, g: InputGroup = g, path: str = path) -> None:
                 g.add(path, args[0])

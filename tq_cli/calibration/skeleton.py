@@ -10,12 +10,16 @@ materialises one block's parameters from the shards and sends them back to meta;
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tq_cli.errors import CorruptFileError, UnsupportedError
 from tq_cli.io.safetensors_reader import SourceModel, TensorInfo, read_tensor
+
+if TYPE_CHECKING:
+    from tq_cli.runtime.module_map import ParamSources
 
 
 def find_blocks(model: nn.Module, n_layers: int, wanted: set[str]) -> tuple[str, nn.ModuleList]:
@@ -46,8 +50,11 @@ def candidates(name: str, prefix: str) -> list[str]:
 class BlockWeights:
     """Moves parameters between the meta device and real tensors read from the shards."""
 
-    def __init__(self, source: SourceModel, prefix: str, device: torch.device) -> None:
+    def __init__(self, source: SourceModel, prefix: str, device: torch.device,
+                 sources: ParamSources | None = None) -> None:
         self.source, self.prefix, self.device = source, prefix, device
+        # transformers' renames and expert fusions (tq_cli.runtime.module_map), when known
+        self.sources = sources
 
     def load(self, module: nn.Module, path: str, skip: str = "\0") -> None:
         """Read module's parameters (and any buffer the shards have) outside `skip`."""
@@ -56,6 +63,10 @@ class BlockWeights:
             if where == skip or where.startswith(skip + "."):
                 continue
             for pname, p in list(mod.named_parameters(recurse=False)):
+                fused = self._fused(f"{where}.{pname}")
+                if fused is not None:
+                    mod._parameters[pname] = nn.Parameter(fused, requires_grad=False)
+                    continue
                 info = self._info(f"{where}.{pname}")
                 if info is None:
                     raise CorruptFileError(
@@ -82,8 +93,18 @@ class BlockWeights:
                     mod._parameters[pname] = nn.Parameter(p.to("meta"), requires_grad=False)
 
     def _info(self, name: str) -> TensorInfo | None:
+        if self.sources is not None and name in self.sources.direct:
+            return self.source.tensors[self.sources.direct[name]]
         return next((self.source.tensors[c] for c in candidates(name, self.prefix)
                      if c in self.source.tensors), None)
+
+    def _fused(self, name: str) -> torch.Tensor | None:
+        """A MoE layer's fused experts parameter, stacked from the per-expert tensors."""
+        experts = self.sources.fused.get(name) if self.sources is not None else None
+        if experts is None:
+            return None
+        return torch.stack([torch.cat([read_tensor(self.source.tensors[n]) for n in names])
+                            for names in experts]).to(self.device, torch.float32)
 
 
 class _Caught(Exception):

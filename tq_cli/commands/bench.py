@@ -24,7 +24,9 @@ plain safetensors read+write of the same synthetic model, and its peak RSS). Tim
 compared as ratios from the same run, gated by --max-slowdown, and only against a
 baseline from the same kind of device. kv (only with --section kv): KV cache bytes per
 token against bf16 at 2k/8k/32k and its decode time per token against a full-precision
-cache.
+cache. moe (only with --section moe): one mixture-of-experts layer (OLMoE's shape) with
+4-bit experts against transformers' experts module in float32 and bfloat16, at a decode
+step and a 512-token prefill.
 
 Exit codes: 0 ok, 1 error, 2 usage error, 3 a metric regressed beyond its limit.
 
@@ -99,6 +101,11 @@ def print_tables(result: dict[str, Any]) -> None:
                              "bits_per_weight"]))
     if s.get("kv"):
         print_kv_tables(s["kv"])
+    if s.get("moe"):
+        stdout.print(_table("Mixture-of-experts layer: tq experts vs transformers' experts "
+                            "module", s["moe"], ["layer", "batch", "bits", "tq_us", "fp32_us",
+                                                 "bf16_us", "tq_over_fp32", "tq_over_bf16"],
+                            "fastest of up to 50 runs; same random routing on all three"))
     env = result["environment"]
     stdout.print(f"{result['mode']} run in {result['seconds']:.1f} s on {env['device_name']} "
                  f"({env['device_type']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
@@ -154,8 +161,8 @@ def main(
     max_slowdown: float = typer.Option(0.5, "--max-slowdown", min=0.0,
                                        help="Allowed fractional worsening of a timing ratio "
                                             "or of peak memory."),
-    section: list[str] = typer.Option([], "--section", help="quality | kernels | conversion | kv "
-                                      "(repeatable; default all)."),
+    section: list[str] = typer.Option([], "--section", help="quality | kernels | conversion | kv | "
+                                      "moe (repeatable; default the first three)."),
     scratch: Path | None = typer.Option(None, "--scratch", help="Folder for the synthetic "
                                         "model (kept between runs); default a temp folder."),
 ) -> None:

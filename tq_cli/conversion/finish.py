@@ -45,6 +45,8 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
                        "shards": sorted({plan.layout.slots[k].shard for k, _, _ in tp.keys})}
         if tp.module is not None:
             entry["module"] = tp.module
+        if tp.expert is not None:
+            entry["expert"] = tp.expert.record()
         if tp.note is not None:
             entry["kept_because"] = tp.note
         if tp.action == CONVERTED:

@@ -208,6 +208,8 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
                else Rotation("none", w.shape[1], tp.block, 0))
         return _Rotated(tp, rotate_owned(w, rot), rot, nonfinite, item.source_sha256)
 
+    thin: list[str] = []  # experts routed too few tokens to fit with their Hessian
+
     def quant(item: object) -> object:
         if not isinstance(item, _Rotated):
             return item
@@ -215,7 +217,10 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         t0 = time.perf_counter()
         name = item.plan.info.name
         res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device, calib)
-        if res.fallback and log:
+        if res.fallback and item.plan.expert is not None and res.fallback.startswith(
+                "an expert routed"):
+            thin.append(name)  # said once at the end: a MoE has hundreds of experts
+        elif res.fallback and log:
             log(f"tensor '{name}': {res.fallback}; quantized data-free")
         return _Quantized(item.plan, res.q, item.nonfinite, time.perf_counter() - t0,
                           res.record | {"source_sha256": item.source_sha256})
@@ -242,6 +247,10 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         while True:
             item = _get(q_quant, stop)
             if item is _END:
+                if thin and log:
+                    log(f"{len(thin)} expert projection(s) got the weight-only fit, such as "
+                        f"'{thin[0]}': routed fewer calibration tokens than half their inputs "
+                        "(the manifest's `fallback` names each)")
                 break
             if isinstance(item, BaseException):
                 raise item

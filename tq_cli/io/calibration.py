@@ -67,6 +67,21 @@ class Calibration:
             self._cache[key] = read_tensor(self.entries[f"hessian.{key}"]).to(torch.float64)
         return self._cache[key].clone()
 
+    def unusable(self, tensor_name: str) -> str | None:
+        """Why the tensor's Hessian is too thin to fit with, or None. An expert of a MoE
+        layer sees only the tokens routed to it; with fewer than half as many tokens as
+        its inputs, H has rank below n/2 and GPTQ would move the error into directions no
+        token probed, so that expert gets the weight-only fit."""
+        if tensor_name not in self.meta.get("routed", ()):
+            return None
+        key = self.meta["tensors"][tensor_name]
+        n = self.entries[f"hessian.{key}"].shape[0]
+        seen = self.tokens(tensor_name)
+        if 0 < seen < n / 2:
+            return (f"an expert routed {seen} calibration tokens, fewer than half its {n} "
+                    "inputs")
+        return None
+
     def check_source(self, source: SourceModel) -> None:
         """Refuse a calibration made for another model (the fingerprints differ)."""
         made = self.meta["source"]

@@ -50,7 +50,7 @@ GUARD_SHAPE = (0,)
 CONVERTED = "quantize"  # a manifest entry's `action` for a converted weight
 
 __all__ = ["CONVERTED", "FORMAT_VERSION", "GUARD", "GUARD_DTYPE", "GUARD_SHAPE", "MANIFEST",
-           "QUANT_METHOD", "ROTATION_PREFIX", "SUFFIXES", "ConvertedEntry",
+           "QUANT_METHOD", "ROLES", "ROTATION_PREFIX", "SUFFIXES", "ConvertedEntry", "Expert",
            "check_format_version", "converted_entries", "rotation_key", "storage_layout",
            "stored_key", "stored_tensors"]
 
@@ -92,6 +92,23 @@ def check_format_version(where: str | Path, version: int) -> None:
 
 
 @dataclass(frozen=True)
+class Expert:
+    """A converted weight that is one expert's projection in a mixture-of-experts layer:
+    transformers fuses the experts into 3-D parameters of module `of`, tq runs them per
+    expert (tq_cli.runtime.experts)."""
+
+    of: str  # the experts module's path in the built model
+    index: int  # the expert's number
+    role: str  # "gate", "up" or "down"
+
+    def record(self) -> dict[str, Any]:
+        return {"of": self.of, "index": self.index, "role": self.role}
+
+
+ROLES = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
 class ConvertedEntry:
     """One converted weight as the manifest records it."""
 
@@ -106,6 +123,7 @@ class ConvertedEntry:
     # The nn.Linear it runs as in the model transformers builds, where the loader renames
     # it (a VLM's language model); None: `X` of `X.weight`.
     placed: str | None = None
+    expert: Expert | None = None  # one expert of a mixture-of-experts layer
 
     @property
     def module(self) -> str:
@@ -145,10 +163,24 @@ def _converted(e: Mapping[str, Any]) -> ConvertedEntry:
     rel, placed = e.get("rel_error"), e.get("module")
     if not (placed is None or isinstance(placed, str)):
         raise ValueError(f"converted tensor '{name}' has a module that is not a name")
+    expert = _expert(name, e.get("expert"))
     return ConvertedEntry(name=name, shape=(shape[0], shape[1]), spec=qs, rotation_kind=kind,
                           block=block, seed=seed, rotation_id=rid,
                           rel_error=float(rel) if isinstance(rel, int | float) else None,
-                          placed=placed)
+                          placed=placed, expert=expert)
+
+
+def _expert(name: str, record: Any) -> Expert | None:
+    if record is None:
+        return None
+    if not isinstance(record, Mapping):
+        raise ValueError(f"converted tensor '{name}' has an expert record that is not a map")
+    of, index, role = record.get("of"), record.get("index"), record.get("role")
+    if (not isinstance(of, str) or not isinstance(index, int) or isinstance(index, bool)
+            or index < 0 or role not in ROLES):
+        raise ValueError(f"converted tensor '{name}' has an expert record that is not "
+                         "format v1's (of, index, role)")
+    return Expert(of, index, role)
 
 
 def converted_entries(manifest: Mapping[str, Any]) -> list[ConvertedEntry]:

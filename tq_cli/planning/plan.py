@@ -21,6 +21,7 @@ from tq_cli.io.format import (
     FORMAT_VERSION,
     GUARD_DTYPE,
     GUARD_SHAPE,
+    Expert,
     rotation_key,
     storage_layout,
     stored_key,
@@ -51,6 +52,7 @@ class TensorPlan:
     rotation_id: str | None = None
     keys: tuple[Key, ...] = ()
     module: str | None = None  # converted: the nn.Linear it runs as, when not `X` of `X.weight`
+    expert: Expert | None = None  # converted: one expert's projection of a MoE layer
     note: str | None = None  # kept although the recipe converts it: why
 
 
@@ -104,12 +106,14 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
               max_shard_bytes: int = 2 * 1024**3,
               bits: dict[str, int] | None = None,
               modules: Mapping[str, str] | None = None,
-              keep: Mapping[str, str] | None = None) -> Plan:
+              keep: Mapping[str, str] | None = None,
+              experts: Mapping[str, Expert] | None = None) -> Plan:
     """Decide every tensor's fate and the output layout; raises on anything unworkable.
 
     From what transformers will build (tq_cli.planning.prepare): `modules` names the
     nn.Linear a converted tensor runs as where that is not `X` of `X.weight`; `keep`
-    holds the tensors the recipe converts that tq could not run, with the reason."""
+    holds the tensors the recipe converts that tq could not run, with the reason;
+    `experts` the converted tensors that are one expert's projection of a MoE layer."""
     qc = (source.config or {}).get("quantization_config")
     if qc:
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
@@ -126,12 +130,14 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
     for info in source.tensors.values():
         rule = recipe.rule_for(info.name)
         if rule is None or rule.action == "keep" or info.numel == 0:
-            tensors.append(TensorPlan(info, "keep", keys=((info.name, info.dtype, info.shape),)))
+            tensors.append(TensorPlan(info, "keep", keys=((info.name, info.dtype, info.shape),),
+                                      note=None if rule else _fused_experts(info)))
             continue
         if len(info.shape) != 2:
             if recipe.skip_non_2d:
                 tensors.append(TensorPlan(info, "keep",
-                                          keys=((info.name, info.dtype, info.shape),)))
+                                          keys=((info.name, info.dtype, info.shape),),
+                                          note=_fused_experts(info)))
                 continue
             raise UnsupportedError(
                 f"{info.file.name}: tensor '{info.name}' has shape {list(info.shape)}, but "
@@ -181,10 +187,15 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
         module = (modules or {}).get(info.name)
         if module == info.name.removesuffix(".weight"):
             module = None
-        tensors.append(TensorPlan(info, CONVERTED, spec, rot, block, rid, keys, module))
+        tensors.append(TensorPlan(info, CONVERTED, spec, rot, block, rid, keys, module,
+                                  expert=(experts or {}).get(info.name)))
     rotations = {rid: RotationPlan(r.rotation_id, r.spec, r.n, r.block, r.keys, users[rid])
                  for rid, r in rotations.items()}
-    guard = next((t.info.name for t in tensors if t.action == CONVERTED), None)
+    # The guard sits under a converted weight's name; not an expert's, whose name a
+    # transformers converter would try to merge with the other experts'.
+    converted = [t for t in tensors if t.action == CONVERTED]
+    guard = next((t.info.name for t in converted if t.expert is None),
+                 converted[0].info.name if converted else None)
     _check_collisions(source, tensors, rotations)
     plan = Plan(source, recipe, quant, rotation, tensors, rotations, guard=guard)
     groups = [list(r.keys) for r in rotations.values()] + [list(t.keys) for t in tensors]
@@ -193,6 +204,14 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
     plan.layout = plan_layout(groups, max_shard_bytes,
                               metadata={"tq_format_version": str(FORMAT_VERSION)})
     return plan
+
+
+def _fused_experts(info: TensorInfo) -> str | None:
+    """Why a MoE's experts stored as one 3-D tensor (gpt-oss) stay in full precision."""
+    if len(info.shape) == 3 and "expert" in info.name and info.dtype in FLOAT_DTYPES:
+        return ("a MoE's experts stored as one 3-D tensor; tq converts experts stored one by "
+                "one (2-D)")
+    return None
 
 
 def _check_collisions(source: SourceModel, tensors: list[TensorPlan],

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tq_cli.errors import UnsupportedError
+from tq_cli.io.format import Expert
 from tq_cli.io.safetensors_reader import SourceModel, open_source
 from tq_cli.io.source import resolve_source
 from tq_cli.planning.plan import Plan, make_plan
@@ -36,6 +37,7 @@ class PlannedSource:
     max_shard_bytes: int = 2 * 1024**3
     modules: dict[str, str] = field(default_factory=dict)  # see make_plan
     keep: dict[str, str] = field(default_factory=dict)  # see make_plan
+    experts: dict[str, Expert] = field(default_factory=dict)  # see make_plan
     notes: list[str] = field(default_factory=list)  # what the user should hear about it
     check_seconds: float = 0.0  # spent asking transformers what it will build
 
@@ -47,7 +49,7 @@ class PlannedSource:
         """The same plan with a bit width per tensor (--target-bits)."""
         return make_plan(self.model, self.recipe, self.plan.quant, self.plan.rotation,
                          self.seeds, self.max_shard_bytes, bits=bits, modules=self.modules,
-                         keep=self.keep)
+                         keep=self.keep, experts=self.experts)
 
 
 def plan_source(source: str | os.PathLike[str], recipe: str | None,
@@ -80,11 +82,26 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
             "pass --recipe with one that fits this model")
     planned = PlannedSource(folder, model, resolved, plan, seeds, seeds_record,
                             max_shard_bytes)
+    _say_kept(planned, {t.info.name: t.note for t in plan.tensors
+                        if t.action == "keep" and t.note is not None})
     if check:
         t0 = time.perf_counter()
         _place(planned, builtin=recipe is None or recipe in builtin_recipes(), vision=vision)
         planned.check_seconds = time.perf_counter() - t0
     return planned
+
+
+def _say_kept(planned: PlannedSource, kept: dict[str, str]) -> None:
+    """One note per reason: how many tensors are kept that tq would convert, and their
+    share of the weights (those converted and those kept for a reason)."""
+    model = planned.model
+    total = sum(t.info.numel for t in planned.plan.tensors
+                if t.action != "keep" or t.note is not None or t.info.name in kept)
+    for why in dict.fromkeys(kept.values()):
+        names = [n for n, w in kept.items() if w == why]
+        share = sum(model.tensors[n].numel for n in names) / max(total, 1)
+        planned.notes.append(f"kept in full precision: {len(names)} tensor(s) "
+                             f"({share:.0%} of the weights), such as '{names[0]}': {why}")
 
 
 # What a VLM keeps by default, outside its language model (module_map.Placement.part).
@@ -130,17 +147,14 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool) -> None:
     planned.modules = {n: p.module for n, p in placed.items()
                        if p.module is not None and n not in planned.keep
                        and p.module != n.removesuffix(".weight")}
-    total = sum(model.tensors[n].numel for n in placed)
-    for why in dict.fromkeys(planned.keep.values()):
-        names = [n for n, w in planned.keep.items() if w == why]
-        share = sum(model.tensors[n].numel for n in names) / max(total, 1)
-        planned.notes.append(f"kept in full precision: {len(names)} tensor(s) the recipe "
-                             f"converts ({share:.0%} of its weights), such as '{names[0]}': "
-                             f"{why}")
-    if planned.keep or planned.modules:
+    planned.experts = {n: p.expert for n, p in placed.items()
+                       if p.expert is not None and n not in planned.keep}
+    _say_kept(planned, planned.keep)
+    if planned.keep or planned.modules or planned.experts:
         planned.plan = make_plan(model, planned.recipe, plan.quant, plan.rotation,
                                  planned.seeds, planned.max_shard_bytes,
-                                 modules=planned.modules, keep=planned.keep)
+                                 modules=planned.modules, keep=planned.keep,
+                                 experts=planned.experts)
         if not planned.plan.converted:
             raise UnsupportedError(
                 f"{planned.folder}: none of the tensors recipe '{planned.recipe.name}' "

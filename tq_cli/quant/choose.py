@@ -30,6 +30,9 @@ class Hessians(Protocol):
     def hessian(self, tensor_name: str) -> torch.Tensor | None:
         """E[x x^T] of the tensor's input, or None when it saw no calibration tokens."""
 
+    def unusable(self, tensor_name: str) -> str | None:
+        """Why its statistics are too thin to fit with (an expert routed few tokens)."""
+
 
 @dataclass(frozen=True)
 class CalibOptions:
@@ -53,10 +56,8 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
     if calib is None:
         return TensorResult(quantize_rotated(w_rot, spec, rotation, device), {}, None, None)
     h = calib.calibration.hessian(name)
-    reason = None
-    if h is None:
-        reason = "saw no calibration tokens"
-    else:
+    reason = "saw no calibration tokens" if h is None else calib.calibration.unusable(name)
+    if h is not None and reason is None:
         try:
             h_rot = rotate_hessian(h, rotation)
             q = quantize_calibrated(w_rot, h_rot, spec, rotation, damp=calib.damp,

@@ -25,7 +25,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.checkpoint import check_checkpoint
-from tq_cli.io.format import FORMAT_VERSION, QUANT_METHOD, converted_entries
+from tq_cli.io.format import FORMAT_VERSION, QUANT_METHOD, ConvertedEntry, converted_entries
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import DTYPES, read_header
 from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
@@ -62,7 +62,13 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
     prefix = getattr(model, "base_model_prefix", "")
     modules = dict(model.named_modules())
     entries = converted_entries(manifest)
+    experts: dict[str, dict[tuple[int, str], tuple[str, TQLinear]]] = {}
     for e in entries:
+        if e.expert is not None:  # built below, one TQExperts per MoE layer
+            layer = _layer(e, headers, bias=None)
+            path = e.module.removeprefix(e.expert.of + ".")
+            experts.setdefault(e.expert.of, {})[(e.expert.index, e.expert.role)] = (path, layer)
+            continue
         ck = e.module
         name = next((n for n in (ck, f"{prefix}.{ck}", ck.removeprefix(prefix + "."))
                      if n in modules), None)
@@ -73,13 +79,11 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
                 f"nn.Linear of {type(model).__name__}; tq can only run converted nn.Linear "
                 "layers, so convert this model with a recipe that keeps that tensor")
         old = modules[name]
-        specs = {suffix: headers[key] for suffix, key in e.keys.items()}
         bias = (headers.get(e.name.removesuffix(".weight") + ".bias")
                 if old.bias is not None else None)
-        layer = TQLinear(old.in_features, old.out_features, bits=e.spec.bits,
-                         group_size=e.spec.group_size, specs=specs, bias=bias)
-        layer.tq_rotation_id = e.rotation_id
-        model.set_submodule(name, layer)
+        model.set_submodule(name, _layer(e, headers, bias))
+    for of, layers in experts.items():
+        _place_experts(model, folder, modules, of, layers)
     rotations = {}
     for rid, info in manifest.get("rotations", {}).items():
         specs = {k.rsplit(".", 1)[1]: headers[k] for k in info["keys"]}
@@ -96,6 +100,33 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
         object.__setattr__(model, "_keys_to_ignore_on_load_unexpected",
                            ignored | {rf"(^|\.){re.escape(n)}$" for n in names})
     return model
+
+
+def _layer(e: ConvertedEntry, headers: Specs,
+           bias: tuple[tuple[int, ...], torch.dtype] | None) -> TQLinear:
+    specs = {suffix: headers[key] for suffix, key in e.keys.items()}
+    layer = TQLinear(e.shape[1], e.shape[0], bits=e.spec.bits, group_size=e.spec.group_size,
+                     specs=specs, bias=bias)
+    layer.tq_rotation_id = e.rotation_id
+    return layer
+
+
+def _place_experts(model: nn.Module, folder: Path, modules: dict[str, nn.Module], of: str,
+                   layers: dict[tuple[int, str], tuple[str, TQLinear]]) -> None:
+    """Swap the MoE layer `of` for a TQExperts running the converted experts."""
+    from tq_cli.runtime.experts import TQExperts, unsupported_because
+
+    old = modules.get(of)
+    why = (unsupported_because(old) if old is not None
+           else f"{type(model).__name__} has no module '{of}'")
+    if old is not None and why is None:
+        try:
+            model.set_submodule(of, TQExperts(old, layers))
+            return
+        except ValueError as e:
+            why = str(e)
+    raise UnsupportedError(f"{folder}: the converted experts of '{of}' cannot run: {why}; "
+                           "convert this model with a recipe that keeps them")
 
 
 def link_rotations(model: nn.Module) -> None:
@@ -116,6 +147,11 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     The shared rotation holder (`model.tq`) goes too, so the state dict is an ordinary
     model's. dtype: of the new weights (default: float32, the dequantized precision).
     """
+    from tq_cli.runtime.experts import TQExperts
+
+    for name, m in list(model.named_modules()):
+        if isinstance(m, TQExperts):
+            model.set_submodule(name, m.dequantize(dtype))
     for name, m in list(model.named_modules()):
         if not isinstance(m, TQLinear):
             continue
@@ -146,6 +182,23 @@ class TurboQuantHfQuantizer(HfQuantizer):
         # skips only the full sha256 read of the shards, never the structural checks.
         check_checkpoint(folder, verify_checksums=not os.environ.get("TQ_SKIP_CHECKSUMS"))
         return prepare_model(model, folder, _headers(files))
+
+    def update_weight_conversions(self, weight_conversions: list[Any],
+                                  model: nn.Module) -> list[Any]:
+        """transformers' converters merge per-expert tensors into fused parameters, and
+        their patterns end on a name boundary, so `experts.3.w1.weight` also matches the
+        stored `experts.3.w1.weight.codes`. Each converter is anchored at the end of the
+        key, so it still merges experts kept in full precision and leaves tq's stored
+        tensors to the TQExperts that holds them (tq_cli.runtime.experts)."""
+        from transformers.core_model_loading import WeightConverter
+
+        out = []
+        for c in super().update_weight_conversions(weight_conversions, model):
+            if isinstance(c, WeightConverter):
+                c = c.copy([p if p.endswith("$") else p + "$" for p in c._original_source_patterns],
+                           list(c._original_target_patterns), operations=list(c.operations))
+            out.append(c)
+        return out
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         link_rotations(model)

@@ -9,8 +9,10 @@ parameter). tq converts by source tensor name and runs a converted weight as the
 machinery: the model is built from config.json on the meta device, its conversion
 mapping collected (`get_model_conversion_mapping`) and every converted name renamed as
 the loader will rename it (`rename_source_key`). No table of renames per family is kept
-here. A tensor tq could not load back or run (merged by a converter, owned by a module
-that is not an `nn.Linear`, or read as a raw tensor by its parent, as
+here. A MoE's per-expert tensors, which a converter fuses, are placed as the experts of
+a TQExperts (tq_cli.runtime.experts) where the fusion is a plain stack of gate, up and
+down projections. A tensor tq could not load back or run (merged by any other converter,
+owned by a module that is not an `nn.Linear`, or read as a raw tensor by its parent, as
 `nn.MultiheadAttention` reads `out_proj.weight`) gets the reason why.
 """
 
@@ -23,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from tq_cli.errors import SourceError, UnsupportedError
+from tq_cli.io.format import Expert
 
 # Parents that read a child linear's weight as a raw tensor (F.multi_head_attention_forward).
 RAW_READERS = (nn.MultiheadAttention,)
@@ -39,6 +42,10 @@ class Placement:
     # own): "text" inside the language model, "vision" inside the vision tower, "other"
     # elsewhere (the projector); None in any other model.
     part: str | None = None
+    # One expert's projection of a mixture-of-experts layer (transformers fuses them;
+    # tq runs them per expert, tq_cli.runtime.experts); `module` is then its path inside
+    # the experts module, named as the checkpoint names it.
+    expert: Expert | None = None
 
 
 def _conversions(model: Any) -> tuple[list[Any], list[Any]]:
@@ -66,15 +73,81 @@ def place(model: nn.Module, names: list[str]) -> dict[str, Placement]:
     out: dict[str, Placement] = {}
     for name in names:
         key, converter = rename_source_key(name, renamings, converters, prefix, params)
-        p = _placement(name, key, converter, modules, params)
+        if converter is not None:
+            plain, _ = rename_source_key(name, renamings, [], prefix, params)
+            p = _expert_placement(name, key, plain, converter, converters, modules)
+        else:
+            p = _placement(name, key, modules, params)
         if p.module is not None and key in tied:
             p = Placement(name, None, f"transformers ties it to '{tied[key]}', which tq "
                                       "keeps in full precision")
         if towers is not None:
             part = next((kind for path, kind in towers if key.startswith(path + ".")), "other")
-            p = Placement(p.source, p.module, p.reason, part)
+            p = Placement(p.source, p.module, p.reason, part, p.expert)
         out[name] = p
+    return _whole_expert_layers(out, modules)
+
+
+def _whole_expert_layers(out: dict[str, Placement],
+                         modules: dict[str, nn.Module]) -> dict[str, Placement]:
+    """An experts module runs all its experts quantized or none: where the converted
+    tensors do not cover every expert's gate, up and down, all of them are kept."""
+    groups: dict[str, set[tuple[int, str]]] = {}
+    for p in out.values():
+        if p.expert is not None:
+            groups.setdefault(p.expert.of, set()).add((p.expert.index, p.expert.role))
+    for of, seen in groups.items():
+        owner: Any = modules[of]
+        count = int(owner.gate_up_proj.shape[0])
+        if seen == {(i, r) for i in range(count) for r in ("gate", "up", "down")}:
+            continue
+        why = (f"the recipe converts only some of the {count} experts of '{of}', and tq runs "
+               "a layer's experts all quantized or all in full precision")
+        for name, p in out.items():
+            if p.expert is not None and p.expert.of == of:
+                out[name] = Placement(name, None, why, p.part)
     return out
+
+
+@dataclass
+class ParamSources:
+    """Where each parameter of the built model comes from in the checkpoint: one source
+    tensor renamed (`direct`), or per-expert tensors stacked into a fused 3-D parameter
+    (`fused`: parameter -> per expert, the source names concatenated along dim 0)."""
+
+    direct: dict[str, str]
+    fused: dict[str, list[list[str]]]
+
+
+def param_sources(model: nn.Module, names: list[str]) -> ParamSources:
+    """How transformers' loader maps the checkpoint's `names` onto `model`'s parameters,
+    for the runs that read a model's weights themselves (calibration)."""
+    from transformers.core_model_loading import rename_source_key
+
+    from tq_cli.io.format import ROLES
+
+    renamings, converters = _conversions(model)
+    params = dict(model.state_dict(keep_vars=True))
+    modules = dict(model.named_modules())
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    direct: dict[str, str] = {}
+    parts: dict[str, dict[tuple[int, str], str]] = {}
+    for name in names:
+        key, converter = rename_source_key(name, renamings, converters, prefix, params)
+        if converter is None:
+            direct[key] = name
+            continue
+        plain, _ = rename_source_key(name, renamings, [], prefix, params)
+        p = _expert_placement(name, key, plain, converter, converters, modules)
+        if p.expert is not None:
+            parts.setdefault(key, {})[(p.expert.index, p.expert.role)] = name
+    fused = {}
+    for key, got in parts.items():
+        count = int(params[key].shape[0])
+        roles = [r for r in ROLES if any(role == r for _, role in got)]
+        if all((i, r) in got for i in range(count) for r in roles):
+            fused[key] = [[got[(i, r)] for r in roles] for i in range(count)]
+    return ParamSources(direct, fused)
 
 
 def _towers(model: Any, modules: dict[str, nn.Module]) -> list[tuple[str, str]] | None:
@@ -102,12 +175,48 @@ def _towers(model: Any, modules: dict[str, nn.Module]) -> list[tuple[str, str]] 
     return found
 
 
-def _placement(name: str, key: str, converter: str | None, modules: dict[str, nn.Module],
+# The converters tq runs per expert: the fused parameter, the operations that build it
+# from the per-expert tensors, and the role of each source pattern, in order.
+EXPERT_FUSIONS = {"gate_up_proj": (["MergeModulelist", "Concatenate"], ("gate", "up")),
+                  "down_proj": (["MergeModulelist"], ("down",))}
+
+
+def _expert_placement(name: str, key: str, plain: str, pattern: str, converters: list[Any],
+                      modules: dict[str, nn.Module]) -> Placement:
+    """A tensor a converter merges: one expert's projection that TQExperts runs, when the
+    fusion is a plain stack of experts into a module TQExperts can stand in for."""
+    from tq_cli.runtime.experts import unsupported_because
+
+    merged = Placement(name, None, "transformers merges it with other tensors when loading, "
+                                   "in a way tq does not run quantized")
+    converter = next((c for c in converters if pattern in c.source_patterns), None)
+    path, _, param = key.rpartition(".")
+    owner = modules.get(path)
+    fusion = EXPERT_FUSIONS.get(param)
+    if converter is None or owner is None or fusion is None:
+        return merged
+    ops, roles = fusion
+    if ([type(op).__name__ for op in converter.operations] != ops
+            or len(converter.source_patterns) != len(roles)):
+        return merged
+    why = unsupported_because(owner)
+    if why is not None:
+        return Placement(name, None, why)
+    # The expert's number and own name: what follows the experts module's name in the
+    # checkpoint's key as renamed without the converter ("3.w1.weight").
+    leaf = "." + path.rpartition(".")[2] + "."
+    at = ("." + plain).rfind(leaf)
+    tail = ("." + plain)[at + len(leaf):] if at >= 0 else ""
+    number, _, own = tail.partition(".")
+    if not number.isdigit() or not own.endswith("weight") or own == "weight":
+        return merged
+    role = roles[converter.source_patterns.index(pattern)]
+    child = f"{number}.{own.removesuffix('.weight')}"
+    return Placement(name, f"{path}.{child}", expert=Expert(path, int(number), role))
+
+
+def _placement(name: str, key: str, modules: dict[str, nn.Module],
                params: dict[str, Any]) -> Placement:
-    if converter is not None:
-        return Placement(name, None, "transformers merges it with other tensors when "
-                                     "loading (fused MoE experts); tq does not run merged "
-                                     "weights yet")
     path, _, attr = key.rpartition(".")
     owner = modules.get(path)
     if key not in params or owner is None:

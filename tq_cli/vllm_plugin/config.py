@@ -190,6 +190,13 @@ class TQConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
         if not isinstance(layer, LinearBase):
+            if type(layer).__name__ == "FusedMoE" and any(
+                    n.startswith(prefix + ".") for n in self.tensors):
+                raise UnsupportedError(
+                    f"tq: {prefix}: the experts of this MoE layer were converted, and tq's "
+                    "vLLM plugin runs a MoE's experts in full precision only; serve it with "
+                    "tq_cli.load, or convert with a recipe whose keep rule matches "
+                    "'*.experts.*'")
             return None
         if self.folder is None:
             raise UnsupportedError("tq: the quantization config was not given the model folder "
