@@ -197,3 +197,17 @@ def test_experts_of_another_layout_are_not_taken(fp32_products: None) -> None:
     assert unsupported_because(mixtral) == (
         "MixtralExperts's experts have a layout tq does not run quantized (is_transposed "
         "differ from the plain gate/up/down MLP)")
+
+
+def test_bench_times_a_moe_layer_against_transformers_experts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tq_cli.bench import moe
+
+    monkeypatch.setattr(moe, "QUICK", {"hidden": 128, "inter": 64, "experts": 4, "top_k": 2})
+    monkeypatch.setattr(moe, "BATCHES", (1, 8))
+    rows, metrics = moe.run(torch.device("cpu"), quick=True)
+    assert [r["batch"] for r in rows] == [1, 8]
+    assert all(r["tq_us"] > 0 and r["fp32_us"] > 0 and r["bf16_us"] > 0 for r in rows)
+    assert sorted(metrics) == sorted(f"moe.cpu.{tag}.4bit.{col}" for tag in ("decode", "prefill8")
+                                     for col in ("tq_over_fp32", "tq_over_bf16"))
+    assert all(m.kind == "info" for m in metrics.values())

@@ -103,11 +103,12 @@ def _tiny_llama(folder: Path, intermediate: int = 512) -> Path:
 
 
 def _convert(source: Path, out: Path, recipe: str | None = None, bits: int = 4,
-             rotation: str = "hadamard") -> Path:
+             rotation: str = "hadamard", group_size: int = 128) -> Path:
     from tq_cli.conversion.converter import ConvertSpec, convert
     from tq_cli.quant.spec import QuantSpec, RotationSpec
 
-    convert(source, out, ConvertSpec(quant=QuantSpec(bits=bits), recipe=recipe, device="cpu",
+    convert(source, out, ConvertSpec(quant=QuantSpec(bits=bits, group_size=group_size),
+                                     recipe=recipe, device="cpu",
                                      rotation=RotationSpec(kind=rotation)))
     return out
 
@@ -236,6 +237,45 @@ def test_merged_parts_with_different_specs_are_refused(tmp_path: Path) -> None:
             f"128, rotation {rid}; k_proj: 3 bits, group 128, rotation {rid}; v_proj: 4 bits, "
             f"group 128, rotation {rid}); convert them with the same bits, group size and "
             "rotation") in log
+
+
+def _tiny_mixtral(folder: Path) -> Path:
+    """A 2-layer Mixtral (4 experts, top-2) with head_dim 32, as vLLM's CPU attention needs."""
+    from tinymodels import save_tiny_tokenizer
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512, num_local_experts=4,
+                        num_experts_per_tok=2, tie_word_embeddings=False,
+                        initializer_range=0.08)
+    MixtralForCausalLM(cfg).save_pretrained(folder)
+    save_tiny_tokenizer(folder, 320)
+    return folder
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_a_moe_with_kept_experts_same_tokens_as_tq_load(tmp_path: Path) -> None:
+    recipe = tmp_path / "keep-experts.toml"
+    recipe.write_text('name = "keep-experts"\n[[rules]]\npattern = "*.experts.*"\n'
+                      'action = "keep"\n[[rules]]\npattern = "*.self_attn.*_proj.weight"\n')
+    folder = _convert(_tiny_mixtral(tmp_path / "src"), tmp_path / "tq4", recipe=str(recipe),
+                      group_size=32)
+    got, _ = _vllm(folder, tmp_path)
+    assert got["tokens"] == _tq_greedy(folder, PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_converted_experts_are_refused_in_one_line(tmp_path: Path) -> None:
+    folder = _convert(_tiny_mixtral(tmp_path / "src"), tmp_path / "tq4", group_size=32)
+    _, log = _vllm(folder, tmp_path, expect_ok=False)
+    assert ("tq: model.layers.0.block_sparse_moe.experts: the experts of this MoE layer were "
+            "converted, and tq's vLLM plugin runs a MoE's experts in full precision only; "
+            "serve it with tq_cli.load, or convert with a recipe whose keep rule matches "
+            "'*.experts.*'") in log
 
 
 SMOL_PROMPTS = [

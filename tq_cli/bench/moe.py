@@ -24,15 +24,14 @@ from tq_cli.bench.kernels import GROUP, _operands, time_us
 from tq_cli.bench.metrics import Metric
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import RotationSpec
+from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
 
 FULL = {"hidden": 2048, "inter": 1024, "experts": 64, "top_k": 8}  # OLMoE-1B-7B
 QUICK = {"hidden": 1024, "inter": 512, "experts": 16, "top_k": 4}
 BATCHES = (1, 512)
 
 
-def _tq_layer(out_f: int, in_f: int, bits: int, gen: torch.Generator) -> nn.Module:
-    from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
-
+def _tq_layer(out_f: int, in_f: int, bits: int, gen: torch.Generator) -> TQLinear:
     ops = _operands(out_f, in_f, bits, torch.device("cpu"), gen)
     specs = {k: (tuple(t.shape), t.dtype) for k, t in ops.items()}
     layer = TQLinear(in_f, out_f, bits=bits, group_size=GROUP, specs=specs)
@@ -40,6 +39,7 @@ def _tq_layer(out_f: int, in_f: int, bits: int, gen: torch.Generator) -> nn.Modu
         setattr(layer.weight, k, t)
     rot = make_rotation(RotationSpec(kind="hadamard"), in_f, GROUP)
     material = RotationMaterial("hadamard", GROUP, {})
+    assert rot.signs is not None
     material.signs = rot.signs
     layer.set_rotation(material)
     return layer
@@ -52,9 +52,10 @@ def build(shape: dict[str, int], bits: int, gen: torch.Generator) -> tuple[nn.Mo
 
     from tq_cli.runtime.experts import TQExperts
 
-    fp: Any = MixtralExperts(MixtralConfig(hidden_size=shape["hidden"],
-                                           intermediate_size=shape["inter"],
-                                           num_local_experts=shape["experts"]))
+    cfg = MixtralConfig(hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+                        num_local_experts=shape["experts"])
+    cfg._experts_implementation = "eager"  # the loop a model built by from_pretrained runs
+    fp: Any = MixtralExperts(cfg)
     h, i = shape["hidden"], shape["inter"]
     with torch.no_grad():
         fp.gate_up_proj.copy_(torch.randn(fp.gate_up_proj.shape, generator=gen) * 0.02)
@@ -64,6 +65,16 @@ def build(shape: dict[str, int], bits: int, gen: torch.Generator) -> tuple[nn.Mo
         for role, (out_f, in_f) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
             layers[(e, role)] = (f"{e}.{role}", _tq_layer(out_f, in_f, bits, gen))
     return TQExperts(fp, layers), fp
+
+
+@torch.no_grad()
+def _time(layers: list[nn.Module], x: torch.Tensor, index: torch.Tensor,
+          weights: torch.Tensor, device: torch.device) -> list[float]:
+    """Microseconds of tq, float32 and bfloat16 (its activations and weights in bf16)."""
+    tq, fp, bf16 = layers
+    xb, wb = x.to(torch.bfloat16), weights.to(torch.bfloat16)
+    return time_us([lambda: tq(x, index, weights), lambda: fp(x, index, weights),
+                    lambda: bf16(xb, index, wb)], device)
 
 
 def run(device: torch.device, quick: bool, bits: int = 4,
@@ -80,24 +91,20 @@ def run(device: torch.device, quick: bool, bits: int = 4,
     with torch.no_grad():
         bf16.gate_up_proj.copy_(fp.gate_up_proj)
         bf16.down_proj.copy_(fp.down_proj)
-    rows, metrics = [], {}
+    rows: list[dict[str, Any]] = []
+    metrics: dict[str, Metric] = {}
     for batch in BATCHES:
         if progress:
             progress(f"moe: batch {batch}")
         x = torch.randn(batch, shape["hidden"], generator=gen)
         scores = torch.randn(batch, shape["experts"], generator=gen)
         weights, index = scores.softmax(-1).topk(shape["top_k"], dim=-1)
-        xb, wb = x.to(torch.bfloat16), weights.to(torch.bfloat16)
-        with torch.no_grad():
-            t_tq, t_fp, t_bf16 = time_us([lambda: tq(x, index, weights),
-                                          lambda: fp(x, index, weights),
-                                          lambda: bf16(xb, index, wb)], device)
+        t_tq, t_fp, t_bf16 = _time([tq, fp, bf16], x, index, weights, device)
         tag = "decode" if batch == 1 else f"prefill{batch}"
-        row = {"layer": f"{shape['experts']}x({shape['hidden']}x{shape['inter']}) "
-                        f"top-{shape['top_k']}", "batch": batch, "bits": bits,
-               "tq_us": t_tq, "fp32_us": t_fp, "bf16_us": t_bf16,
-               "tq_over_fp32": t_tq / t_fp, "tq_over_bf16": t_tq / t_bf16}
-        rows.append(row)
-        for col in ("tq_over_fp32", "tq_over_bf16"):
-            metrics[f"moe.{device.type}.{tag}.{bits}bit.{col}"] = Metric(row[col], "info")
+        ratios = {"tq_over_fp32": t_tq / t_fp, "tq_over_bf16": t_tq / t_bf16}
+        rows.append({"layer": f"{shape['experts']}x({shape['hidden']}x{shape['inter']}) "
+                              f"top-{shape['top_k']}", "batch": batch, "bits": bits,
+                     "tq_us": t_tq, "fp32_us": t_fp, "bf16_us": t_bf16} | ratios)
+        for col, value in ratios.items():
+            metrics[f"moe.{device.type}.{tag}.{bits}bit.{col}"] = Metric(value, "info")
     return rows, metrics

@@ -184,19 +184,30 @@ class TurboQuantHfQuantizer(HfQuantizer):
         return prepare_model(model, folder, _headers(files))
 
     def update_weight_conversions(self, weight_conversions: list[Any],
-                                  model: nn.Module) -> list[Any]:
+                                  model: nn.Module | None = None) -> list[Any]:
         """transformers' converters merge per-expert tensors into fused parameters, and
         their patterns end on a name boundary, so `experts.3.w1.weight` also matches the
         stored `experts.3.w1.weight.codes`. Each converter is anchored at the end of the
         key, so it still merges experts kept in full precision and leaves tq's stored
-        tensors to the TQExperts that holds them (tq_cli.runtime.experts)."""
+        tensors to the TQExperts that holds them (tq_cli.runtime.experts). (transformers
+        before 5.2x calls this hook without the model.)"""
         from transformers.core_model_loading import WeightConverter
 
+        base = (super().update_weight_conversions(weight_conversions)  # type: ignore[call-arg]
+                if model is None
+                else super().update_weight_conversions(weight_conversions, model))
         out = []
-        for c in super().update_weight_conversions(weight_conversions, model):
+        for c in base:
             if isinstance(c, WeightConverter):
-                c = c.copy([p if p.endswith("$") else p + "$" for p in c._original_source_patterns],
-                           list(c._original_target_patterns), operations=list(c.operations))
+                anchored = type(c)(
+                    source_patterns=[p if p.endswith("$") else p + "$"
+                                     for p in c._original_source_patterns],
+                    target_patterns=list(c._original_target_patterns),
+                    operations=list(c.operations))
+                for attr in ("scope_prefix", "base_model_prefix", "force_cpu"):
+                    if hasattr(c, attr):
+                        setattr(anchored, attr, getattr(c, attr))
+                c = anchored
             out.append(c)
         return out
 
