@@ -20,6 +20,7 @@ point), so nothing else in tq imports vLLM. Written against vLLM 0.32:
   rows or columns in its weight loader (`tq_cli.vllm_plugin.split`), and in
   `process_weights_after_loading` re-indexes the outliers and attaches the rotation
   material (read from the shards: it is shared, so no layer owns its keys).
+- A MoE layer whose experts were converted gets `TQMoEMethod` (`tq_cli/vllm_plugin/moe.py`).
 - `apply` is one registered custom op, `torch.ops.vllm.tq_linear`, so torch.compile
   (vLLM compiles the model by default) sees an opaque call with a shape function
   (vllm/utils/torch_utils.py, `direct_register_custom_op`).
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
@@ -75,6 +77,7 @@ class LayerInfo:
     in_features: int
     rotation: str | None  # the rotation id, None for "none"
     block: int
+    expert: tuple[int, str] | None = None  # (index, role) of one expert of a MoE layer
 
     def spec(self) -> str:
         return (f"{self.bits} bits, group {self.group_size}, rotation "
@@ -159,7 +162,8 @@ class TQConfig(QuantizationConfig):
         self.tensors = {
             e.name.removesuffix(".weight"): LayerInfo(
                 bits=e.spec.bits, group_size=e.spec.group_size, out_features=e.shape[0],
-                in_features=e.shape[1], rotation=e.rotation_id, block=e.block)
+                in_features=e.shape[1], rotation=e.rotation_id, block=e.block,
+                expert=(e.expert.index, e.expert.role) if e.expert is not None else None)
             for e in converted_entries(manifest)}
         self.rotations = {
             rid: RotationInfo(info["kind"], info["n"], info["block"],
@@ -190,13 +194,11 @@ class TQConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
         if not isinstance(layer, LinearBase):
-            if type(layer).__name__ == "FusedMoE" and any(
+            if isinstance(layer, RoutedExperts) and any(
                     n.startswith(prefix + ".") for n in self.tensors):
-                raise UnsupportedError(
-                    f"tq: {prefix}: the experts of this MoE layer were converted, and tq's "
-                    "vLLM plugin runs a MoE's experts in full precision only; serve it with "
-                    "tq_cli.load, or convert with a recipe whose keep rule matches "
-                    "'*.experts.*'")
+                from tq_cli.vllm_plugin.moe import TQMoEMethod
+
+                return TQMoEMethod(self, prefix, layer.moe_config)
             return None
         if self.folder is None:
             raise UnsupportedError("tq: the quantization config was not given the model folder "
@@ -223,7 +225,7 @@ def _weight_map(folder: Path) -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _rotation_material(folder: str, rid: str, keys: tuple[tuple[str, str, str], ...]
+def rotation_material(folder: str, rid: str, keys: tuple[tuple[str, str, str], ...]
                        ) -> dict[str, torch.Tensor]:
     """A rotation's stored tensors, read once per process (they are shared by layers)."""
     out = {}
@@ -341,7 +343,7 @@ class TQLinearMethod(LinearMethodBase):
             rot = self.config.rotations[rid]
             assert self.config.folder is not None
             keys = tuple((s, f, k) for s, (f, k) in sorted(rot.keys.items()))
-            mat = split.slice_rotation(rot.kind, _rotation_material(self.config.folder, rid, keys),
+            mat = split.slice_rotation(rot.kind, rotation_material(self.config.folder, rid, keys),
                                        rot.n, first.cols)
             mat = {k: t.to(dev) for k, t in mat.items()}
             st.rotation = (mat["signs"] if rot.kind == "hadamard"
@@ -425,6 +427,9 @@ def _tq_linear_fake(x: torch.Tensor, key: str, out_features: int,
 
 @functools.lru_cache(maxsize=1)
 def register_op() -> None:
-    """`torch.ops.vllm.tq_linear`, once per process."""
+    """`torch.ops.vllm.tq_linear` and `tq_moe`, once per process."""
+    from tq_cli.vllm_plugin.moe import register_op as register_moe
+
+    register_moe()
     direct_register_custom_op("tq_linear", _tq_linear, mutates_args=[],
                               fake_impl=_tq_linear_fake)
