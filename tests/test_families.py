@@ -214,3 +214,21 @@ def test_a_model_with_its_own_code_is_converted_unchecked_and_said(tmp_path: Pat
     r = convert(tmp_path / "src", tmp_path / "out", SPEC)
     assert ("not checked that each converted tensor loads back: the model brings its own "
             "code (auto_map), which tq never runs") in r.warnings
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen3_moe"])
+def test_self_calibration_reaches_renamed_and_fused_layers(tmp_path: Path, name: str) -> None:
+    # LLaVA's language model is renamed by transformers' loader, Qwen3-MoE's experts fused:
+    # calibration reads the weights and places the taps as the loader does.
+    from tinymodels import save_tiny_tokenizer
+
+    torch.manual_seed(0)
+    model, _ = FAMILIES[name]()
+    model.save_pretrained(tmp_path / "src")
+    save_tiny_tokenizer(tmp_path / "src", model.config.get_text_config().vocab_size)
+    convert(tmp_path / "src", tmp_path / "out", SPEC.model_copy(update={"synthetic_calib": 256}))
+    entries = [e for e in json.loads((tmp_path / "out" / "tq_manifest.json").read_text())[
+        "tensors"] if e["action"] == "quantize"]
+    fell_back = {e["fallback"] for e in entries if not e["calibrated"]}
+    assert all(why.startswith("an expert routed") for why in fell_back)
+    assert sum(e["calibrated"] for e in entries) >= len(entries) - 6

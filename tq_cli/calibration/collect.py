@@ -44,12 +44,11 @@ from tq_cli.io.calibration import (
     CalibrationWriter,
     check_out,
 )
-from tq_cli.io.format import Expert
 from tq_cli.io.safetensors_reader import SourceModel
 from tq_cli.io.text import Text
 from tq_cli.planning.prepare import PlannedSource
 from tq_cli.runtime.hf_models import build_skeleton
-from tq_cli.runtime.module_map import ParamSources
+from tq_cli.runtime.module_map import ParamSources, Placement
 from tq_cli.version import __version__
 
 __all__ = ["CalibResult", "CalibSpec", "calibrate", "calibrate_planned", "token_sequences"]
@@ -164,10 +163,14 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
                            spec.seqlen, note)
     prefix = getattr(model, "base_model_prefix", "") or ""
     modules = dict(model.named_modules())
+    placed = _placed(model, names)
     wanted = {c for n in names for c in candidates(n.removesuffix(".weight"), prefix)}
+    wanted |= {p.module for p in placed.values() if p.module is not None}
     bpath, blocks = find_blocks(model, cfg.num_hidden_layers, wanted)
-    layers = place_layers(model, names, recipe, prefix, bpath, len(blocks),
-                          _experts(model, names))
+    layers = place_layers(
+        model, names, recipe, prefix, bpath, len(blocks),
+        {n: p.expert for n, p in placed.items() if p.expert is not None},
+        {n: p.module for n, p in placed.items() if p.module is not None and p.expert is None})
     if layers.uncalibrated:
         reasons = "; ".join(sorted(set(layers.uncalibrated.values())))
         note(f"{len(layers.uncalibrated)} converted tensors get no calibration "
@@ -208,16 +211,15 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
                        sorted(layers.uncalibrated), warnings)
 
 
-def _experts(model: nn.Module, names: list[str]) -> dict[str, Expert]:
-    """The converted tensors that are one expert's projection of a MoE layer (fused in
-    the model transformers builds), found by the same placement convert checks."""
+def _placed(model: nn.Module, names: list[str]) -> dict[str, Placement]:
+    """Where each converted tensor runs in the model transformers builds (a VLM's renamed
+    language model, a MoE's fused experts), found by the same placement convert checks."""
     from tq_cli.runtime.module_map import place
 
     try:
-        placed = place(model, names)
-    except ImportError:  # a transformers without conversion mappings fuses no experts
+        return place(model, names)
+    except ImportError:  # a transformers without conversion mappings renames nothing
         return {}
-    return {n: p.expert for n, p in placed.items() if p.expert is not None}
 
 
 def _param_sources(model: nn.Module, names: list[str]) -> ParamSources | None:

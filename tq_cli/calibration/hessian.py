@@ -138,10 +138,12 @@ def _expert_taps(experts: Mapping[str, Expert], modules: dict[str, nn.Module], b
 
 def place_layers(model: nn.Module, names: list[str], recipe: Recipe, prefix: str,
                  bpath: str, n_blocks: int,
-                 experts: Mapping[str, Expert] | None = None) -> PlacedLayers:
+                 experts: Mapping[str, Expert] | None = None,
+                 renamed: Mapping[str, str] | None = None) -> PlacedLayers:
     """Map converted tensor names to modules and group them by block and shared input;
     `experts` (tq_cli.runtime.module_map) are the tensors that are one expert's projection
-    of a MoE layer: their inputs are the tokens routed to that expert (`ExpertTap`)."""
+    of a MoE layer: their inputs are the tokens routed to that expert (`ExpertTap`);
+    `renamed` the module each other tensor runs as where transformers renames it."""
     modules = dict(model.named_modules())
     found: dict[str, str] = {}  # module path -> tensor name
     out = PlacedLayers([[] for _ in range(n_blocks)], [], None, {})
@@ -150,7 +152,8 @@ def place_layers(model: nn.Module, names: list[str], recipe: Recipe, prefix: str
         if name in (experts or {}):
             continue
         base = name.removesuffix(".weight")
-        path = next((c for c in candidates(base, prefix) if c in modules), None)
+        path = next((c for c in [*candidates(base, prefix), (renamed or {}).get(name, "")]
+                     if c in modules), None)
         if not name.endswith(".weight") or path is None:
             out.uncalibrated[name] = "no module of that name in the model"
         elif not isinstance(modules[path], nn.Linear):

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
@@ -58,38 +57,13 @@ from tq_cli.io.format import (
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME
 from tq_cli.io.source import resolve_source
+from tq_cli.vllm_plugin.info import LayerInfo, RotationInfo, rotation_material
 from tq_kernels import dispatch
 from tq_kernels.packing import packed_row_bytes
 from tq_kernels.reference import Material
 
 METHOD = "tq"
 QKV = ("q", "k", "v")
-
-
-@dataclass(frozen=True)
-class LayerInfo:
-    """One converted linear layer as vLLM builds it, from the manifest (module-level: the
-    engine pickles it)."""
-
-    bits: int
-    group_size: int
-    out_features: int
-    in_features: int
-    rotation: str | None  # the rotation id, None for "none"
-    block: int
-    expert: tuple[int, str] | None = None  # (index, role) of one expert of a MoE layer
-
-    def spec(self) -> str:
-        return (f"{self.bits} bits, group {self.group_size}, rotation "
-                f"{self.rotation or 'none'}")
-
-
-@dataclass(frozen=True)
-class RotationInfo:
-    kind: str
-    n: int
-    block: int
-    keys: dict[str, tuple[str, str]]  # suffix -> (shard file, key)
 
 
 @dataclass(frozen=True)
@@ -222,17 +196,6 @@ def _weight_map(folder: Path) -> dict[str, str]:
     import json
 
     return dict(json.loads((folder / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"])
-
-
-@functools.lru_cache(maxsize=16)
-def rotation_material(folder: str, rid: str, keys: tuple[tuple[str, str, str], ...]
-                       ) -> dict[str, torch.Tensor]:
-    """A rotation's stored tensors, read once per process (they are shared by layers)."""
-    out = {}
-    for suffix, shard, key in keys:
-        with safe_open(str(Path(folder) / shard), framework="pt", device="cpu") as f:
-            out[suffix] = f.get_tensor(key)
-    return out
 
 
 # Layers by key, for the custom op (which takes the key, a string torch.compile keeps as a

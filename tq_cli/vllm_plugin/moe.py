@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +37,9 @@ from vllm.utils.torch_utils import direct_register_custom_op
 import tq_cli.vllm_plugin.split as split
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import SUFFIXES
+from tq_cli.vllm_plugin.info import LayerInfo, rotation_material
 from tq_kernels import dispatch
 from tq_kernels.reference import Material
-
-if TYPE_CHECKING:
-    from tq_cli.vllm_plugin.config import LayerInfo, TQConfig
 
 SHARDS = {"w1": "gate", "w3": "up", "w2": "down"}  # vLLM's shard ids of an expert
 # Placeholder parameters, one per stored suffix of the two fused weights vLLM names.
@@ -68,7 +66,7 @@ class MoEState:
     rotations: dict[str, tuple[Material, int]] = field(default_factory=dict)  # role -> ...
 
 
-def _roles(config: TQConfig, prefix: str, count: int) -> list[dict[str, LayerInfo]]:
+def _roles(config: Any, prefix: str, count: int) -> list[dict[str, LayerInfo]]:
     """Per expert, its converted gate, up and down, from the manifest's expert records."""
     found: list[dict[str, LayerInfo]] = [{} for _ in range(count)]
     for name, info in config.tensors.items():
@@ -87,7 +85,8 @@ def _roles(config: TQConfig, prefix: str, count: int) -> list[dict[str, LayerInf
 class TQMoEMethod(FusedMoEMethodBase):
     """The routed experts of one MoE layer, each projection from its own tq codes."""
 
-    def __init__(self, config: TQConfig, prefix: str, moe: Any) -> None:
+    def __init__(self, config: Any, prefix: str, moe: Any) -> None:
+        # config: the plugin's TQConfig (not imported: it imports this module)
         super().__init__(moe)
         self.config, self.prefix = config, prefix
 
@@ -136,8 +135,6 @@ class TQMoEMethod(FusedMoEMethodBase):
         return None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        from tq_cli.vllm_plugin.config import rotation_material
-
         st: MoEState = layer.__dict__["tq_moe"]
         dev = layer.get_parameter(PARAMS[0]).device
         for e, roles in enumerate(st.experts):
