@@ -87,6 +87,19 @@ def finish(w: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, group:
     return packed, vals, float(en[0]), float(en[1])
 
 
+def gptq_block_(w1: torch.Tensor, u1: torch.Tensor, st: torch.Tensor, gcol: torch.Tensor,
+                codebook: torch.Tensor, mask: torch.Tensor | None, codes: torch.Tensor,
+                q: torch.Tensor, e: torch.Tensor, isa: str | None = None) -> None:
+    """One block of GPTQ's column loop (tq_cli.quant.gptq): for each of the block's columns
+    w1[i] (rows of W^T, float32 [b, out], error-fed in place) the nearest codes, their
+    values q (outliers, where `mask` is 1, keep their fp16 residual) and the scaled errors
+    e = (w1[i] - q) / u1[i, i], fed onto the later columns through u1 [b, b]."""
+    i = _isa(isa)
+    empty = torch.empty(0, dtype=torch.uint8)
+    torch.ops.tq_fit.gptq_block_.default(w1, u1, st, gcol, codebook,
+                                         empty if mask is None else mask, codes, q, e, i)
+
+
 def rotate_(w: torch.Tensor, signs: torch.Tensor, block: int, isa: str | None = None,
             ) -> torch.Tensor:
     """w @ R in place for the blockwise randomized Hadamard R (w contiguous float32

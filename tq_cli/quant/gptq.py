@@ -25,6 +25,7 @@ from tq_cli.quant.grouped import (
     FP16_MAX,
     QuantizedTensor,
     fit_grid,
+    native_available,
     outlier_count,
 )
 from tq_cli.quant.rotation import Rotation
@@ -108,17 +109,23 @@ class _Solved:
 
 def _solve(w: torch.Tensor, up: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
            group_size: int, order: torch.Tensor, outliers: torch.Tensor, block_size: int,
-           want_loss: bool) -> _Solved:
+           want_loss: bool, native: bool | None = None) -> _Solved:
     """One GPTQ pass over the columns in `order` (GPTQ Algorithm 1, lazy batch updates).
 
     Works on W^T so a column is a contiguous row; every step is vectorised over the
     weight's rows. At `outliers` (flat idx into [out, n]) the dequantized value is the
     error-fed weight itself (code plus its fp16 residual), so they feed on almost no error.
+    On the CPU each block's column loop is one native call (tq_kernels.fit.gptq_block_,
+    the same steps; `native=False`, or TQ_FIT=torch, runs the torch loop, the reference
+    it is tested against); the update of the later blocks is torch's GEMM either way.
     """
+    if native is None:
+        native = w.device.type == "cpu" and native_available()
     out, n = w.shape
     dev = w.device
     wt = w[:, order].T.contiguous()  # [n, out], error-fed in place
-    st = scales.T.contiguous()
+    st = scales.T.contiguous().float()
+    codebook = codebook.contiguous().float()
     st_safe = torch.where(st > 0, st, torch.ones_like(st))
     gcol = (order // group_size).tolist()
     mids = (codebook[1:] + codebook[:-1]) / 2
@@ -136,25 +143,26 @@ def _solve(w: torch.Tensor, up: torch.Tensor, scales: torch.Tensor, codebook: to
         uniq, counts = torch.unique_consecutive(pos[slots], return_counts=True)
         for p, sl in zip(uniq.tolist(), torch.split(slots, counts.tolist()), strict=True):
             per_col[p] = outliers[sl] // n
+    mask = None
+    if native and per_col:
+        mask = torch.zeros(n, out, dtype=torch.uint8)
+        for p, rows_p in per_col.items():
+            mask[p, rows_p] = 1
+    gall = torch.as_tensor(gcol, dtype=torch.long)
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
         w1 = wt[i1:i2]
         u1 = up[i1:i2, i1:i2]
         e1 = torch.empty(i2 - i1, out, dtype=torch.float32, device=dev)
-        for i in range(i2 - i1):
-            j = i1 + i
-            x = w1[i]
-            g = gcol[j]
-            c = torch.bucketize(x / st_safe[g], mids)  # `nearest`, midpoints hoisted
-            q = codebook[c] * st[g]
-            rows = per_col.get(j)
-            if rows is not None:
-                q[rows] += (x[rows] - q[rows]).half().float()
-            codes_t[j] = c
-            qt[j] = q
-            torch.sub(x, q, out=e1[i]).div_(diag[j])
-            if i + 1 < i2 - i1:
-                w1[i + 1:].addr_(u1[i, i + 1:], e1[i], alpha=-1)
+        if native:
+            from tq_kernels import fit
+
+            fit.gptq_block_(w1, u1.contiguous(), st, gall[i1:i2], codebook,
+                            None if mask is None else mask[i1:i2], codes_t[i1:i2],
+                            qt[i1:i2], e1)
+        else:
+            _block_loop(w1, u1, e1, i1, st, st_safe, gcol, mids, codebook, per_col, diag,
+                        codes_t, qt)
         if loss_t is not None:
             loss_t[i1:i2] = e1 * e1
         if i2 < n:
@@ -164,6 +172,28 @@ def _solve(w: torch.Tensor, up: torch.Tensor, scales: torch.Tensor, codebook: to
     w_hat = torch.empty(out, n, dtype=torch.float32, device=dev)
     w_hat[:, order] = qt.T
     return _Solved(codes, w_hat, loss_t)
+
+
+def _block_loop(w1: torch.Tensor, u1: torch.Tensor, e1: torch.Tensor, i1: int,
+                st: torch.Tensor, st_safe: torch.Tensor, gcol: list[int], mids: torch.Tensor,
+                codebook: torch.Tensor, per_col: dict[int, torch.Tensor], diag: list[float],
+                codes_t: torch.Tensor, qt: torch.Tensor) -> None:
+    """The torch column loop of one block (the reference of the native gptq_block_)."""
+    b = w1.shape[0]
+    for i in range(b):
+        j = i1 + i
+        x = w1[i]
+        g = gcol[j]
+        c = torch.bucketize(x / st_safe[g], mids)  # `nearest`, midpoints hoisted
+        q = codebook[c] * st[g]
+        rows = per_col.get(j)
+        if rows is not None:
+            q[rows] += (x[rows] - q[rows]).half().float()
+        codes_t[j] = c
+        qt[j] = q
+        torch.sub(x, q, out=e1[i]).div_(diag[j])
+        if i + 1 < b:
+            w1[i + 1:].addr_(u1[i, i + 1:], e1[i], alpha=-1)
 
 
 def _top_loss(loss_t: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:

@@ -10,6 +10,8 @@
 //       -> (packed codes uint8, outlier residuals fp16, [err, norm] float64)
 //   rotate_(w!, signs, block)          the randomized Hadamard rotation, in place
 //   scan(w) -> [non-finite, beyond fp16]   the pipeline's input checks in one read
+//   gptq_block_(w1!, u1, st, gcol, codebook, mask, codes!, q!, e!)
+//                                      one block of GPTQ's column loop (fit_gptq.inc)
 //   set_threads(n)                     threads for this OS thread's calls (0: torch's)
 //
 // Each reads the weight once, with no temporaries beyond one row, where the torch version
@@ -114,6 +116,22 @@ inline void pack_row(const uint8_t* codes, int64_t npad, int bits, uint8_t* dst)
   }
 }
 
+// The arguments of one block of GPTQ's column loop (fit_gptq.inc).
+struct Gptq {
+  float* w;             // [b, out] this block's columns of wt, error-fed in place
+  const float* u;       // [b, b] the block's part of the upper factor
+  const float* st;      // [groups, out] scales, transposed
+  const int64_t* gcol;  // [b] each column's group
+  const float* cb;      // [L] ascending
+  const float* mids;    // [L - 1]
+  const uint8_t* mask;  // [b, out] 1 at an outlier, or null
+  uint8_t* codes;       // [b, out]
+  float* q;             // [b, out]
+  float* e;             // [b, out]
+  int64_t b, out;
+  int L;
+};
+
 }  // namespace tqfit
 
 // The loops, once per instruction set.
@@ -123,7 +141,10 @@ inline void pack_row(const uint8_t* codes, int64_t npad, int bits, uint8_t* dst)
 namespace tqfit::avx512 {
 constexpr int kLanes = 16;  // floats per vector in fit_rows.inc: one register
 #define TQFIT_AVX512 1
+#define TQFIT_FMA 1
 #include "fit_rows.inc"
+#include "fit_gptq.inc"
+#undef TQFIT_FMA
 #undef TQFIT_AVX512
 }  // namespace tqfit::avx512
 #pragma GCC pop_options
@@ -131,13 +152,17 @@ constexpr int kLanes = 16;  // floats per vector in fit_rows.inc: one register
 #pragma GCC target("avx2,fma")
 namespace tqfit::avx2 {
 constexpr int kLanes = 8;
+#define TQFIT_FMA 1
 #include "fit_rows.inc"
+#include "fit_gptq.inc"
+#undef TQFIT_FMA
 }  // namespace tqfit::avx2
 #pragma GCC pop_options
 #endif
 namespace tqfit::generic {
 constexpr int kLanes = 4;  // SSE2 on x86-64, NEON on aarch64
 #include "fit_rows.inc"
+#include "fit_gptq.inc"
 }  // namespace tqfit::generic
 
 namespace tqfit {
@@ -410,6 +435,52 @@ at::Tensor scan(const at::Tensor& w) {
   return res;
 }
 
+// One block of GPTQ's column loop (fit_gptq.inc) over all rows of W, split in chunks of rows
+// fixed by the shape: each row's arithmetic is the same whatever the thread count.
+void gptq_block_(const at::Tensor& w1, const at::Tensor& u1, const at::Tensor& st,
+                 const at::Tensor& gcol, const at::Tensor& codebook, const at::Tensor& mask,
+                 const at::Tensor& codes, const at::Tensor& q, const at::Tensor& e, int64_t isa) {
+  const int64_t b = w1.size(0), out = w1.size(1);
+  auto f32 = [&](const at::Tensor& t, int64_t r, int64_t c, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.dim() == 2 && t.size(0) == r && t.size(1) == c,
+                "tq_fit.gptq_block_: ", what, " must be contiguous float32 [", r, ", ", c, "]");
+  };
+  f32(w1, b, out, "w1");
+  f32(u1, b, b, "u1");
+  f32(q, b, out, "q");
+  f32(e, b, out, "e");
+  TORCH_CHECK(st.scalar_type() == at::kFloat && st.is_contiguous() && st.dim() == 2 &&
+                  st.size(1) == out,
+              "tq_fit.gptq_block_: st must be contiguous float32 [groups, out]");
+  TORCH_CHECK(gcol.scalar_type() == at::kLong && gcol.is_contiguous() && gcol.numel() == b,
+              "tq_fit.gptq_block_: gcol must be int64 [b]");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) == b &&
+                  codes.size(1) == out,
+              "tq_fit.gptq_block_: codes must be contiguous uint8 [b, out]");
+  TORCH_CHECK(mask.numel() == 0 || (mask.scalar_type() == at::kByte && mask.is_contiguous() &&
+                                    mask.numel() == b * out),
+              "tq_fit.gptq_block_: mask must be empty or uint8 [b, out]");
+  const int64_t* g = gcol.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(g[i] >= 0 && g[i] < st.size(0), "tq_fit.gptq_block_: group out of range");
+  const at::Tensor none = at::empty({0}, w1.options().dtype(at::kLong));
+  const Fit F = make_fit(w1, 1, &codebook, none, 0);
+  Gptq G{w1.data_ptr<float>(), u1.data_ptr<float>(), st.data_ptr<float>(), g, F.cb, F.mids,
+         mask.numel() ? mask.data_ptr<uint8_t>() : nullptr, codes.data_ptr<uint8_t>(),
+         q.data_ptr<float>(), e.data_ptr<float>(), b, out, F.L};
+  const int64_t rows = 256, count = (out + rows - 1) / rows;
+  const int use = pick(isa);
+  for_blocks(count, [&](int64_t, int64_t c) {
+    const int64_t r0 = c * rows, r1 = std::min(out, r0 + rows);
+#if defined(__x86_64__) || defined(_M_X64)
+    if (use == kAvx512) return avx512::gptq_rows(G, r0, r1);
+    if (use == kAvx2) return avx2::gptq_rows(G, r0, r1);
+#endif
+    generic::gptq_rows(G, r0, r1);
+  });
+}
+
 int64_t isa() { return best_isa(); }
 
 void set_threads(int64_t threads) { tl_threads = std::max<int64_t>(0, threads); }
@@ -430,6 +501,9 @@ TORCH_LIBRARY(tq_fit, m) {
         &tqfit::finish);
   m.def("rotate_(Tensor(a!) w, Tensor signs, int block, int isa) -> ()", &tqfit::rotate_);
   m.def("scan(Tensor w) -> Tensor", &tqfit::scan);
+  m.def("gptq_block_(Tensor(a!) w1, Tensor u1, Tensor st, Tensor gcol, Tensor codebook, "
+        "Tensor mask, Tensor(b!) codes, Tensor(c!) q, Tensor(d!) e, int isa) -> ()",
+        &tqfit::gptq_block_);
   m.def("isa() -> int", &tqfit::isa);
   m.def("set_threads(int threads) -> ()", &tqfit::set_threads);
 }
