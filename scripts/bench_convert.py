@@ -1,7 +1,8 @@
 """Convert time against a plain safetensors load + save of the same bytes, in one run.
 
 Usage: python scripts/bench_convert.py [SOURCE | --synthetic NAME [--layers N]]
-           [--bits 4] [--device cpu|cuda|auto] [--calib FILE] [--json FILE]
+           [--bits 4] [--device cpu|cuda|auto] [--calib FILE | --fast |
+           --synthetic-calib N] [--json FILE]
 
 SOURCE defaults to the SmolLM2-135M folder built from its PyPI wheel; `--synthetic
 llama-3.2-1b` (or `quick`, tq bench's model) writes a random bf16 Llama of those shapes
@@ -35,6 +36,9 @@ def main() -> int:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--calib", type=Path)
+    ap.add_argument("--fast", action="store_true", help="time `tq convert --fast` (the "
+                    "weight-only fit) instead of the default self-calibrated conversion")
+    ap.add_argument("--synthetic-calib", type=int, help="self-calibration tokens")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.source:
@@ -51,7 +55,11 @@ def main() -> int:
 
         src = smollm2_folder()
     device = resolve_device(args.device)
-    extra = ("--calib", str(args.calib)) if args.calib else ()
+    extra: tuple[str, ...] = ("--calib", str(args.calib)) if args.calib else ()
+    if args.fast:
+        extra += ("--fast",)
+    if args.synthetic_calib is not None:
+        extra += ("--synthetic-calib", str(args.synthetic_calib))
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         c1 = copy_seconds(src, scratch / "copy")
@@ -63,14 +71,16 @@ def main() -> int:
     copy = (c1 + c2) / 2
     conv = summary["seconds"]
     row = {"source": str(src), "bits": args.bits, "device": device.type,
-           "calibrated": args.calib is not None, "source_bytes": summary["source_bytes"],
+           "fit": "--fast" if args.fast else ("--calib" if args.calib else "default"),
+           "calibrated_tensors": summary.get("calibrated_tensors"),
+           "source_bytes": summary["source_bytes"],
            "convert_s": round(conv, 2), "load_save_s": round(copy, 2),
            "load_save_runs_s": [round(c1, 2), round(c2, 2)],
            "ratio_convert_over_load_save": round(conv / copy, 2),
            "peak_rss_mb": round(rss / 1e6, 1),
            "bits_per_weight": round(summary["bits_per_weight"], 4),
            "mean_rel_error": summary["mean_rel_error"], "cpu_count": os.cpu_count(),
-           "fit": os.environ.get("TQ_FIT") or "default"}
+           "native_fit": os.environ.get("TQ_FIT") or "default"}
     print(json.dumps(row, indent=2))
     if args.json:
         args.json.write_text(json.dumps(row, indent=2))

@@ -91,7 +91,7 @@ def test_encoder_metrics(tiny_bert: Path, tmp_path: Path) -> None:
     assert same["metrics"]["cosine_min"] == pytest.approx(1.0, abs=1e-5)
     assert same["metrics"]["similarity_spearman"] == pytest.approx(1.0, abs=1e-6)
     out = tmp_path / "bert-tq2"
-    convert(tiny_bert, out, ConvertSpec(quant=QuantSpec(bits=2, group_size=32)))
+    convert(tiny_bert, out, ConvertSpec(quant=QuantSpec(bits=2, group_size=32), fast=True))
     q = evaluate(out, None, text, EvalSpec(context=32))
     assert 0.5 < q["metrics"]["cosine_mean"] < 0.9999
     assert q["bits_per_weight"] > 2

@@ -27,7 +27,8 @@ from tq_cli.quant.spec import QuantSpec
 from tq_cli.runtime.tq_linear import TQLinear
 from tq_kernels import cpu
 
-SPEC = ConvertSpec(quant=QuantSpec(bits=4, group_size=32), device="cpu")
+# --fast: the families are about where tensors land; self-calibration is tested below
+SPEC = ConvertSpec(quant=QuantSpec(bits=4, group_size=32), device="cpu", fast=True)
 # What each family keeps although the recipe converts it, and why (the manifest says).
 FUSED = ("experts.", "a MoE's experts stored as one 3-D tensor")
 TOWER = ("vision", "the vision tower of an image-text model; pass --vision")
@@ -226,7 +227,8 @@ def test_self_calibration_reaches_renamed_and_fused_layers(tmp_path: Path, name:
     model, _ = FAMILIES[name]()
     model.save_pretrained(tmp_path / "src")
     save_tiny_tokenizer(tmp_path / "src", model.config.get_text_config().vocab_size)
-    convert(tmp_path / "src", tmp_path / "out", SPEC.model_copy(update={"synthetic_calib": 256}))
+    convert(tmp_path / "src", tmp_path / "out",
+            SPEC.model_copy(update={"fast": False, "synthetic_calib": 256}))
     entries = [e for e in json.loads((tmp_path / "out" / "tq_manifest.json").read_text())[
         "tensors"] if e["action"] == "quantize"]
     fell_back = {e["fallback"] for e in entries if not e["calibrated"]}

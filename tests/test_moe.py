@@ -27,7 +27,7 @@ from tq_cli.runtime.experts import TQExperts, unsupported_because
 from tq_cli.runtime.tq_linear import TQLinear
 from tq_kernels import cpu
 
-SPEC = ConvertSpec(quant=QuantSpec(bits=4, group_size=32), device="cpu")
+SPEC = ConvertSpec(quant=QuantSpec(bits=4, group_size=32), device="cpu", fast=True)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_synthetic_calibration_fits_experts_and_says_which_fell_back(
         converted: tuple[str, Path, Path]) -> None:
     _, src, _ = converted
     out = src.parent / "sc"
-    result = convert(src, out, SPEC.model_copy(update={"synthetic_calib": 256}))
+    result = convert(src, out, SPEC.model_copy(update={"fast": False, "synthetic_calib": 256}))
     entries = [e for e in json.loads((out / "tq_manifest.json").read_text())["tensors"]
                if "expert" in e]
     fit = [e for e in entries if e.get("calibrated")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ from weighted import weighted_errors
 from tq_cli.app import app
 from tq_cli.calibration.random_tokens import random_token_ids, synthetic_calibration, synthetic_plan
 from tq_cli.conversion.converter import ConvertSpec, convert
+from tq_cli.conversion.spec import SELF_CALIB_TOKENS
+from tq_cli.errors import SourceError
 from tq_cli.io.calibration import read_calibration
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import open_source
@@ -42,7 +45,7 @@ def test_random_ids_skip_special_tokens_and_follow_the_seed() -> None:
     assert set(a) == set(range(2, 49))  # every ordinary id is drawn
     assert a == random_token_ids(50, {0, 1, 49}, 2000, seed=0)
     assert a != random_token_ids(50, {0, 1, 49}, 2000, seed=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(SourceError, match="no ordinary tokens"):
         random_token_ids(2, {0, 1}, 10, seed=0)
 
 
@@ -54,7 +57,7 @@ def test_synthetic_calibration_lowers_the_output_error(model: str, tmp_path: Pat
     the plain data-free fit's, tensor by tensor on average and in total."""
     source: Path = request.getfixturevalue(model)
     free, syn = tmp_path / "free", tmp_path / "syn"
-    convert(source, free, ConvertSpec(quant=QUANT, device="cpu"))
+    convert(source, free, ConvertSpec(quant=QUANT, device="cpu", fast=True))
     r = convert(source, syn, ConvertSpec(quant=QUANT, device="cpu", synthetic_calib=TOKENS))
     assert r.calibrated_tensors == r.tensors_converted > 0
     cal = read_manifest(syn)["calibration"]
@@ -136,3 +139,48 @@ def test_synthetic_calib_without_transformers_is_one_line(tiny_llama: Path, tmp_
     assert ("--synthetic-calib runs the model on random tokens and needs transformers, which "
             "is not installed: pip install 'tq[models]'") in " ".join(r.output.split())
     assert not (tmp_path / "o").exists()
+
+
+def test_the_default_self_calibrates_and_the_manifest_says_which_fit(tiny_llama: Path,
+                                                                     tmp_path: Path) -> None:
+    r = convert(tiny_llama, tmp_path / "default", ConvertSpec(quant=QUANT, device="cpu"))
+    assert r.calibrated_tensors == r.tensors_converted > 0 and r.warnings == []
+    manifest = json.loads((tmp_path / "default" / "tq_manifest.json").read_text())
+    assert manifest["calibration"]["synthetic"] == "random-tokens"
+    assert manifest["calibration"]["tokens_requested"] == SELF_CALIB_TOKENS
+    assert {e["fit"] for e in manifest["tensors"] if e["action"] == "quantize"} == {"gptq"}
+    fast = convert(tiny_llama, tmp_path / "fast", ConvertSpec(quant=QUANT, device="cpu",
+                                                             fast=True))
+    assert fast.calibrated_tensors is None and fast.warnings == []
+    manifest = json.loads((tmp_path / "fast" / "tq_manifest.json").read_text())
+    assert "calibration" not in manifest
+    assert {e["fit"] for e in manifest["tensors"] if e["action"] == "quantize"} == {
+        "weight-only"}
+
+
+def test_without_a_tokenizer_the_default_falls_back_in_one_line(tiny_llama: Path,
+                                                                tmp_path: Path) -> None:
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    for f in src.glob("tokenizer*"):
+        f.unlink()
+    r = convert(src, tmp_path / "out", ConvertSpec(quant=QUANT, device="cpu"))
+    assert r.calibrated_tensors is None
+    [line] = r.warnings
+    assert line.startswith("weight-only fit: tq could not self-calibrate this model (")
+    assert line.endswith("convert with --calib FILE (tq calibrate) for the calibrated fit, "
+                         "or --fast to skip trying")
+    assert "no usable tokenizer" in line
+    # Asked for by name, it is an error instead.
+    with pytest.raises(SourceError, match="no usable tokenizer"):
+        convert(src, tmp_path / "o2", ConvertSpec(quant=QUANT, device="cpu", synthetic_calib=64))
+
+
+def test_fast_and_calibration_flags_conflict_on_the_command_line(tiny_llama: Path,
+                                                                 tmp_path: Path) -> None:
+    r = CliRunner().invoke(app, ["convert", str(tiny_llama), "-o", str(tmp_path / "o"),
+                                 "--fast", "--synthetic-calib", "64"])
+    assert r.exit_code == 2
+    assert "--fast skips calibration" in r.stderr

@@ -39,7 +39,7 @@ from tq_cli.calibration.skeleton import (
     with_hidden,
 )
 from tq_cli.device import Device, resolve_device
-from tq_cli.errors import SourceError, TqError, UnsupportedError
+from tq_cli.errors import SourceError, UnsupportedError
 from tq_cli.io.calibration import (
     CalibrationWriter,
     check_out,
@@ -102,7 +102,7 @@ def token_sequences(tokenizer: Any, text: Text, samples: int, seqlen: int,
     ids = torch.tensor(tokenizer(text.text, verbose=False)["input_ids"], dtype=torch.long)
     fit = ids.numel() // seqlen
     if fit == 0:
-        raise TqError(f"{text.source}: only {ids.numel()} tokens, fewer than one sequence of "
+        raise SourceError(f"{text.source}: only {ids.numel()} tokens, fewer than one sequence of "
                       f"--seqlen {seqlen}; pass a longer --text or a smaller --seqlen")
     if fit < samples and warn is not None:
         warn(f"{text.source}: {ids.numel()} tokens make only {fit} sequences of {seqlen} "
@@ -153,6 +153,10 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
     text = calibration_text() if spec.text is None else read_text(spec.text)
     model = build_skeleton(folder, src.config)
     hf_config: Any = model.config
+    built: Any = model
+    if getattr(hf_config, "vision_config", None) is not None and not built.can_generate():
+        raise UnsupportedError(f"{folder}: an image-text encoder ({type(model).__name__}); tq "
+                               "calibrate runs language models and text encoders on text")
     cfg = hf_config.get_text_config()
     max_pos = getattr(cfg, "max_position_embeddings", None)
     if isinstance(max_pos, int) and spec.seqlen > max_pos:
@@ -161,6 +165,11 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
                                "or less")
     seqs = token_sequences(load_tokenizer(folder), text, spec.samples,
                            spec.seqlen, note)
+    vocab = getattr(cfg, "vocab_size", None)
+    if isinstance(vocab, int) and seqs.numel() and int(seqs.max()) >= vocab:
+        raise SourceError(f"{folder}: the tokenizer gives token id {int(seqs.max())}, but the "
+                          f"model's vocabulary has {vocab} entries; copy the model's own "
+                          "tokenizer files into the folder")
     prefix = getattr(model, "base_model_prefix", "") or ""
     modules = dict(model.named_modules())
     placed = _placed(model, names)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tq_cli.errors import SourceError
 from tq_cli.io.text import Text
 from tq_cli.planning.prepare import PlannedSource
 
@@ -60,16 +61,20 @@ def random_token_ids(vocab_size: int, special: set[int], count: int, seed: int) 
     """`count` ids drawn uniformly from [0, vocab_size) minus `special`, reproducibly."""
     allowed = [i for i in range(vocab_size) if i not in special]
     if not allowed:
-        raise ValueError("the tokenizer has no ordinary tokens to draw from")
+        raise SourceError("the tokenizer has no ordinary tokens to draw random ones from")
     rng = random.Random(seed)
     return [allowed[rng.randrange(len(allowed))] for _ in range(count)]
 
 
-def random_text(tokenizer: Any, tokens: int, seed: int) -> Text:
-    """A text of random vocabulary tokens, long enough for `tokens` tokens once tokenised."""
+def random_text(tokenizer: Any, tokens: int, seed: int, model_vocab: int | None = None) -> Text:
+    """A text of random vocabulary tokens, long enough for `tokens` tokens once tokenised;
+    ids are drawn below the model's vocabulary size too (`model_vocab`), where a tokenizer
+    knows more tokens than the model embeds."""
     special = {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
-    ids = random_token_ids(int(tokenizer.vocab_size), special,
-                           math.ceil(tokens * OVERDRAW) + 64, seed)
+    vocab = int(tokenizer.vocab_size)
+    if model_vocab is not None:
+        vocab = min(vocab, model_vocab)
+    ids = random_token_ids(vocab, special, math.ceil(tokens * OVERDRAW) + 64, seed)
     text = tokenizer.decode(ids, skip_special_tokens=True)
     return Text(text, f"random tokens (seed {seed}, {len(ids)} ids)")
 
@@ -84,7 +89,11 @@ def synthetic_calibration(planned: PlannedSource, tokens: int, seed: int, folder
 
     require_transformers("--synthetic-calib runs the model on random tokens")
     plan = synthetic_plan(tokens, planned.model.config)
-    text = random_text(load_tokenizer(planned.folder), plan.tokens, seed)
+    cfg = planned.model.config or {}
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    vocab = text_cfg.get("vocab_size") if text_cfg else None
+    text = random_text(load_tokenizer(planned.folder), plan.tokens, seed,
+                       vocab if isinstance(vocab, int) and vocab > 0 else None)
     text_path = folder / "synthetic.txt"
     text_path.write_text(text.text, encoding="utf-8")
     out = folder / "synthetic.calib"

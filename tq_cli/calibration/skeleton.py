@@ -63,14 +63,15 @@ class BlockWeights:
             if where == skip or where.startswith(skip + "."):
                 continue
             for pname, p in list(mod.named_parameters(recurse=False)):
-                fused = self._fused(f"{where}.{pname}")
+                full = f"{where}.{pname}" if where else pname
+                fused = self._fused(full)
                 if fused is not None:
                     mod._parameters[pname] = nn.Parameter(fused, requires_grad=False)
                     continue
-                info = self._info(f"{where}.{pname}")
+                info = self._info(full)
                 if info is None:
                     raise CorruptFileError(
-                        f"{self.source.folder}: no tensor for parameter '{where}.{pname}' in "
+                        f"{self.source.folder}: no tensor for parameter '{full}' in "
                         "the shards; tq calibrate needs tensor names that match the model's")
                 if info.shape != tuple(p.shape):
                     raise CorruptFileError(

@@ -19,7 +19,7 @@ stdout = Console(width=None if Console().is_terminal else 140)
 HELP = "Benchmark quality per bit, kernels and conversion; gate regressions against a baseline."
 EPILOG = """Sections: quality (reconstruction error of fixed-seed matrices at 2, 3, 4 bits per
 rotation: deterministic, gated by --max-regression), kernels (tq matmul and rotation
-against torch.nn.functional.linear in the same run) and conversion (tq convert against a
+against torch.nn.functional.linear in the same run) and conversion (tq convert --fast against a
 plain safetensors read+write of the same synthetic model, and its peak RSS). Timings are
 compared as ratios from the same run, gated by --max-slowdown, and only against a
 baseline from the same kind of device. kv (only with --section kv): KV cache bytes per

@@ -22,6 +22,7 @@ from tq_cli.commands._common import (
 )
 from tq_cli.conversion.converter import ConvertResult, ConvertSpec, convert
 from tq_cli.conversion.pipeline import Finished
+from tq_cli.conversion.spec import SELF_CALIB_TOKENS
 from tq_cli.planning.plan import Plan
 
 HELP = "Convert a model folder (or hub id) into a TurboQuant checkpoint."
@@ -37,6 +38,7 @@ EPILOG = """Examples:
 FLAGS = {
     "device": "--device", "max_shard_bytes": "--shard-size", "bit_choices": "--bit-choices",
     "target_bits": "--target-bits", "damp": "--damp", "synthetic_calib": "--synthetic-calib",
+    "fast": "--fast",
     "": "convert options",
     "quant": "quantization options", "rotation": "rotation options",
 }
@@ -79,10 +81,13 @@ def main(
                                "the mean diagonal of H."),
     act_order: bool = typer.Option(False, "--act-order", help="With --calib: quantize columns "
                                    "in order of decreasing H diagonal."),
-    synthetic_calib: int = typer.Option(0, "--synthetic-calib", help="Data-free calibration: "
-                                        "run the model on this many random tokens (e.g. "
-                                        "8192) and quantize GPTQ-style with what it saw; "
-                                        "0 = off."),
+    synthetic_calib: int | None = typer.Option(
+        None, "--synthetic-calib", help="Self-calibration: run the model on this many random "
+        f"tokens and quantize GPTQ-style with what it saw (the default does, with "
+        f"{SELF_CALIB_TOKENS}, where the model can run); 0 = off."),
+    fast: bool = typer.Option(False, "--fast", help="The weight-only fit: no "
+                              "self-calibration (seconds instead of a minute, lower "
+                              "quality)."),
     target_bits: float | None = typer.Option(None, "--target-bits", help="Mixed precision: "
                                              "choose each tensor's bits for this average."),
     bit_choices: str = typer.Option("2,3,4", "--bit-choices", help="With --target-bits: the "
@@ -109,7 +114,7 @@ def main(
             "overwrite": overwrite, "resume": resume, "max_shard_bytes": parse_size(shard_size),
             "seeds_file": str(seeds) if seeds is not None else None,
             "calib": str(calib) if calib is not None else None, "damp": damp,
-            "act_order": act_order, "synthetic_calib": synthetic_calib,
+            "act_order": act_order, "synthetic_calib": synthetic_calib, "fast": fast,
             "target_bits": target_bits, "vision": vision,
             "bit_choices": _choices(bit_choices),
         })

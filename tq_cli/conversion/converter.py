@@ -23,7 +23,7 @@ from tq_cli.conversion.finish import finish
 from tq_cli.conversion.pipeline import Finished, stream
 from tq_cli.conversion.spec import ConvertResult, ConvertSpec
 from tq_cli.device import resolve_device
-from tq_cli.errors import OutputError, TqError
+from tq_cli.errors import CorruptFileError, OutputError, SourceError, TqError, UnsupportedError
 from tq_cli.io.format import GUARD, GUARD_SHAPE, ROTATION_PREFIX
 from tq_cli.io.manifest import write_json
 from tq_cli.io.output import (
@@ -83,7 +83,10 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     for note in planned.notes:
         warn(note)
     device = resolve_device(spec.device)
-    calib, calib_record = _calibration(spec, planned, scratch, log)
+    # A fallback to the weight-only fit is said once the conversion has succeeded: a run
+    # that fails says one line, its error.
+    fallbacks: list[str] = []
+    calib, calib_record = _calibration(spec, planned, scratch, fallbacks.append)
     provenance: dict[str, Any] = {"seeds": planned.seeds_record} if planned.seeds_record else {}
     if calib_record is not None:
         provenance["calibration"] = calib_record
@@ -156,6 +159,8 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
             shutil.rmtree(partial, ignore_errors=True)
         raise
     resumed = sum(1 for t in plan.tensors if t.info.name in done) - len(todo)
+    for note in fallbacks:
+        warn(note)
     result = finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
                      max(resumed, 0), warnings, provenance)
     result.check_seconds = planned.check_seconds
@@ -163,22 +168,29 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
 
 
 def _calibration(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.ExitStack,
-                 log: Callable[[str], None] | None) -> tuple[CalibOptions | None, dict | None]:
-    """The calibration GPTQ uses, if any, and the manifest's record of it. With
-    --synthetic-calib the random-token calibration is made first, from the same plan, in
-    a temporary folder `scratch` removes."""
+                 warn: Callable[[str], None]) -> tuple[CalibOptions | None, dict | None]:
+    """The calibration GPTQ uses, if any, and the manifest's record of it. Self-calibration
+    (the default, or --synthetic-calib N) is made first from random tokens, from the same
+    plan, in a temporary folder `scratch` removes; by default, a model it cannot run (no
+    transformers, no tokenizer, no stack of blocks) gets the weight-only fit and a note."""
     from tq_cli.io.calibration import read_calibration
 
     gptq = {"damp": spec.damp, "act_order": spec.act_order}
-    if spec.synthetic_calib:
+    tokens = spec.self_calib_tokens
+    if tokens:
         from tq_cli.calibration.random_tokens import synthetic_calibration
 
         folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="tq-synth-")))
-        if log:
-            log(f"--synthetic-calib: running the model on {spec.synthetic_calib} random "
-                "tokens first")
-        path, record = synthetic_calibration(planned, spec.synthetic_calib,
-                                             spec.rotation.seed, folder, spec.device)
+        try:
+            path, record = synthetic_calibration(planned, tokens, spec.rotation.seed, folder,
+                                                 spec.device)
+        except (SourceError, UnsupportedError) as e:
+            if not spec.self_calib_default or isinstance(e, CorruptFileError):
+                raise
+            warn(f"weight-only fit: tq could not self-calibrate this model ({e}); convert "
+                 "with --calib FILE (tq calibrate) for the calibrated fit, or --fast to skip "
+                 "trying")
+            return None, None
         calibration = read_calibration(path)
         calibration.check_source(planned.model)
         return CalibOptions(calibration, spec.damp, spec.act_order), record | gptq

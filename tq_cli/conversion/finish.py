@@ -66,6 +66,8 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
                 "bytes": rec["nbytes"], "rotation_bytes_share": share,
                 "bits_per_weight": bpw, "rel_error": rec["rel_error"],
                 "nonfinite": rec.get("nonfinite", 0),
+                # which fit it got: GPTQ with the calibration Hessians, or weight-only
+                "fit": "gptq" if rec.get("calibrated") else "weight-only",
             } | {k: rec[k] for k in ("calibrated", "weighted_rel_error", "fallback")
                  if k in rec})
         else:

@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tq_cli.device import Device
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 
+# Random tokens the default conversion runs through the model (docs/decisions.md: chosen
+# from the tokens-quality curve on SmolLM2 and MiniLM).
+SELF_CALIB_TOKENS = 4096
+
 
 class ConvertSpec(BaseModel):
     """Everything `convert` needs besides source and destination."""
@@ -34,9 +38,13 @@ class ConvertSpec(BaseModel):
     act_order: bool = False
     # An image-text-to-text model: convert its vision tower too (its language model always).
     vision: bool = False
-    synthetic_calib: int = Field(0, ge=0, le=1 << 20, description="data-free calibration: "
-                                 "tokens of random vocabulary run through the model for "
-                                 "GPTQ-style error feedback (0 = off)")
+    synthetic_calib: int | None = Field(
+        None, ge=0, le=1 << 20, description="self-calibration: tokens of random vocabulary "
+        "run through the model for GPTQ-style error feedback; None = the default "
+        "(SELF_CALIB_TOKENS where the model can run, else the weight-only fit with a note), "
+        "0 = off")
+    fast: bool = Field(False, description="the weight-only fit, no self-calibration: "
+                       "seconds instead of a minute, lower quality")
     target_bits: float | None = Field(None, gt=1.0, le=8.5, description="mixed precision: "
                                       "average bits per weight to reach")
     bit_choices: tuple[int, ...] = (2, 3, 4)
@@ -48,13 +56,29 @@ class ConvertSpec(BaseModel):
             raise ValueError(f"bit choices must be among 2, 3, 4, 8, got {bad[0]}")
         if not self.bit_choices:
             raise ValueError("bit choices are empty")
-        if self.act_order and self.calib is None and not self.synthetic_calib:
-            raise ValueError("act_order needs a calibration (--calib or --synthetic-calib)")
+        if self.fast and (self.calib is not None or self.synthetic_calib):
+            raise ValueError("--fast skips calibration; drop --calib or --synthetic-calib, or "
+                             "--fast")
+        if self.act_order and self.calib is None and self.self_calib_tokens == 0:
+            raise ValueError("act_order needs a calibration (--calib or self-calibration)")
         if self.calib is not None and self.synthetic_calib:
             raise ValueError("--synthetic-calib and --calib are alternatives; pass one of them")
-        if 0 < self.synthetic_calib < 2:
+        if self.synthetic_calib is not None and 0 < self.synthetic_calib < 2:
             raise ValueError("--synthetic-calib needs at least 2 tokens (0 = off)")
         return self
+
+    @property
+    def self_calib_tokens(self) -> int:
+        """Random tokens self-calibration runs (0: none: --fast, --calib, or turned off)."""
+        if self.fast or self.calib is not None or self.synthetic_calib == 0:
+            return 0
+        return self.synthetic_calib if self.synthetic_calib is not None else SELF_CALIB_TOKENS
+
+    @property
+    def self_calib_default(self) -> bool:
+        """Self-calibration because nothing was asked: where the model cannot run it, the
+        weight-only fit instead (with a note), not an error."""
+        return self.synthetic_calib is None and self.self_calib_tokens > 0
 
 
 @dataclass

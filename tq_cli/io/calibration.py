@@ -67,6 +67,11 @@ class Calibration:
             self._cache[key] = read_tensor(self.entries[f"hessian.{key}"]).to(torch.float64)
         return self._cache[key].clone()
 
+    def group(self, tensor_name: str) -> str | None:
+        """The key of the tensor's input group (shared by tensors that read one input)."""
+        key = self.meta["tensors"].get(tensor_name)
+        return str(key) if key is not None else None
+
     def unusable(self, tensor_name: str) -> str | None:
         """Why the tensor's Hessian is too thin to fit with, or None. An expert of a MoE
         layer sees only the tokens routed to it; with fewer than half as many tokens as

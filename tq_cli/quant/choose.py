@@ -7,6 +7,9 @@ bit allocation sees are those of the quantization that will run.
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -14,10 +17,11 @@ import torch
 
 from tq_cli.quant.gptq import (
     CalibrationUnusableError,
+    PreparedHessian,
+    prepare_hessian,
     quantize_calibrated,
-    relative_weighted_error,
     rotate_hessian,
-    weighted_error,
+    weighted_errors,
 )
 from tq_cli.quant.grouped import QuantizedTensor, dequantize_rotated, quantize_rotated
 from tq_cli.quant.rotation import Rotation
@@ -32,6 +36,9 @@ class Hessians(Protocol):
 
     def unusable(self, tensor_name: str) -> str | None:
         """Why its statistics are too thin to fit with (an expert routed few tokens)."""
+
+    def group(self, tensor_name: str) -> str | None:
+        """The key the tensor shares with the others that read the same input."""
 
 
 @dataclass(frozen=True)
@@ -59,15 +66,42 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
     reason = "saw no calibration tokens" if h is None else calib.calibration.unusable(name)
     if h is not None and reason is None:
         try:
-            h_rot = rotate_hessian(h, rotation)
-            q = quantize_calibrated(w_rot, h_rot, spec, rotation, damp=calib.damp,
+            prepared = _prepared(name, h, rotation, device, calib)
+            q = quantize_calibrated(w_rot, prepared, spec, rotation, damp=calib.damp,
                                     act_order=calib.act_order, device=device)
-            w_hat = dequantize_rotated(q)
-            werr = weighted_error(w_rot, w_hat, h_rot)
-            rec = {"calibrated": True,
-                   "weighted_rel_error": relative_weighted_error(w_rot, w_hat, h_rot)}
+            werr, rel = weighted_errors(w_rot, dequantize_rotated(q), prepared.h)
+            rec = {"calibrated": True, "weighted_rel_error": rel}
             return TensorResult(q, rec, werr, None)
         except CalibrationUnusableError as e:
             reason = str(e)
     q = quantize_rotated(w_rot, spec, rotation, device)
     return TensorResult(q, {"calibrated": False, "fallback": reason}, None, reason)
+
+
+# Rotated, checked and factored Hessians of the last few input groups: q, k and v (gate and
+# up) read one input, arrive one after another, and need the same R^T H R and Cholesky
+# factor. Keyed by the calibration object, the group, the rotation and the GPTQ options.
+# (The calibration object is checked by identity through a weak reference: an id can be
+# reused once its object is gone.)
+_PREPARED: OrderedDict[tuple, tuple[weakref.ref, PreparedHessian]] = OrderedDict()
+_PREPARED_LOCK = threading.Lock()
+_PREPARED_KEEP = 4
+
+
+def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.device,
+              calib: CalibOptions) -> PreparedHessian:
+    group = calib.calibration.group(name)
+    key = (id(calib.calibration), group if group is not None else name,
+           rotation.rotation_id, calib.damp, calib.act_order, str(device))
+    with _PREPARED_LOCK:
+        hit = _PREPARED.get(key)
+        if hit is not None and hit[0]() is calib.calibration:
+            _PREPARED.move_to_end(key)
+            return hit[1]
+    prepared = prepare_hessian(rotate_hessian(h, rotation), damp=calib.damp,
+                               act_order=calib.act_order, device=device)
+    with _PREPARED_LOCK:
+        _PREPARED[key] = (weakref.ref(calib.calibration), prepared)
+        while len(_PREPARED) > _PREPARED_KEEP:
+            _PREPARED.popitem(last=False)
+    return prepared

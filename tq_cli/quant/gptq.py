@@ -261,9 +261,33 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
     return new, w_hat, vals
 
 
-def quantize_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor, spec: QuantSpec,
-                        rotation: Rotation, *, damp: float = 0.01, act_order: bool = False,
-                        block_size: int = 128,
+@dataclass(frozen=True)
+class PreparedHessian:
+    """What GPTQ needs of a rotated Hessian, computed once for the layers that read the
+    same input (q, k, v; gate, up): H checked and symmetrised (float64), the column order,
+    and the upper Cholesky factor of the damped inverse in that order (float32)."""
+
+    h: torch.Tensor
+    order: torch.Tensor
+    up: torch.Tensor
+
+
+def prepare_hessian(h_rot: torch.Tensor, *, damp: float = 0.01, act_order: bool = False,
+                    device: torch.device | str | None = None) -> PreparedHessian:
+    """`quantize_calibrated`'s preparation of H; raises `CalibrationUnusableError`."""
+    dev = torch.device(device) if device is not None else h_rot.device
+    n = h_rot.shape[0]
+    h = _checked_hessian(h_rot, n, dev)
+    if act_order:
+        order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+    else:
+        order = torch.arange(n, device=dev)
+    return PreparedHessian(h, order, _inverse_cholesky(h[order][:, order], damp))
+
+
+def quantize_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
+                        spec: QuantSpec, rotation: Rotation, *, damp: float = 0.01,
+                        act_order: bool = False, block_size: int = 128,
                         device: torch.device | str | None = None) -> QuantizedTensor:
     """GPTQ (arXiv:2210.17323) of a rotated weight [out, in] on the tq grid, given the
     rotated Hessian [in, in] (`rotate_hessian`). Same format as `quantize_rotated`.
@@ -284,13 +308,15 @@ def quantize_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor, spec: QuantSpe
         raise ValueError(f"block_size must be positive, got {block_size}")
     dev = torch.device(device) if device is not None else w_rot.device
     out, n = w_rot.shape
-    h = _checked_hessian(h_rot, n, dev)
-    w = w_rot.to(dev, torch.float32)
-    if act_order:
-        order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+    if (h_rot.h if isinstance(h_rot, PreparedHessian) else h_rot).shape != (n, n):
+        shape = tuple((h_rot.h if isinstance(h_rot, PreparedHessian) else h_rot).shape)
+        raise ValueError(f"Hessian has shape {shape}, the weight needs ({n}, {n})")
+    if isinstance(h_rot, PreparedHessian):
+        prepared = h_rot
     else:
-        order = torch.arange(n, device=dev)
-    up = _inverse_cholesky(h[order][:, order], damp)
+        prepared = prepare_hessian(h_rot, damp=damp, act_order=act_order, device=dev)
+    h, order, up = prepared.h, prepared.order, prepared.up
+    w = w_rot.to(dev, torch.float32)
     scales, codebook = fit_grid(w, spec, dev)
     k = outlier_count(out * n, spec.outliers)
     outliers = torch.empty(0, dtype=torch.long, device=dev)
@@ -329,6 +355,14 @@ def _weighted(w_rot: torch.Tensor, w_hat_rot: torch.Tensor,
         num += float(((d @ h) * d).sum())
         den += float(((x @ h) * x).sum())
     return num, den
+
+
+def weighted_errors(w_rot: torch.Tensor, w_hat_rot: torch.Tensor,
+                    h_rot: torch.Tensor) -> tuple[float, float]:
+    """(tr(dW H dW^T), that over tr(W H W^T)) in one pass: `weighted_error` and
+    `relative_weighted_error` together."""
+    num, den = _weighted(w_rot, w_hat_rot, h_rot)
+    return num, (num / den if den > 0 else 0.0 if num == 0 else float("inf"))
 
 
 def weighted_error(w_rot: torch.Tensor, w_hat_rot: torch.Tensor, h_rot: torch.Tensor) -> float:
