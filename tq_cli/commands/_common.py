@@ -122,7 +122,12 @@ def tensor_progress(enabled: bool = True) -> contextlib.AbstractContextManager[P
     return progress_bar("bytes", enabled)
 
 
-def bound_heap_growth() -> None:
+# The mmap threshold while GPTQ runs: its temporaries (a few MB: a block's columns, the
+# scale refit's systems) come from the heap, whole tensors are still mapped and returned.
+GPTQ_HEAP_THRESHOLD = 32 << 20
+
+
+def bound_heap_growth(threshold: int = 1 << 20) -> None:
     """Return freed tensor memory to the OS promptly (glibc only).
 
     glibc raises its mmap threshold after large frees, so later tensors of a few MB land
@@ -134,13 +139,14 @@ def bound_heap_growth() -> None:
     a fresh mmap for each cost SmolLM2 50 s of page faults (83 s wall against 54 s, for
     a peak of 457 MB against 735 MB). `--synthetic-calib` keeps it, since its
     calibration forward is what sets the peak (751 MB and 174 s with it, 1,748 MB and
-    119 s without).
+    119 s without). Self-calibration, now the default, keeps it for its forward and then
+    raises it to `GPTQ_HEAP_THRESHOLD` for GPTQ (docs/decisions.md has the numbers).
     """
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, threshold)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass

@@ -11,6 +11,7 @@ from rich.progress import TaskID
 from rich.table import Table
 
 from tq_cli.commands._common import (
+    GPTQ_HEAP_THRESHOLD,
     bound_heap_growth,
     emit_json,
     quant_option,
@@ -122,7 +123,10 @@ def main(
         raise (usage_error(e, FLAGS) if isinstance(e, ValidationError)
                else typer.BadParameter(str(e), param_hint="--temperature")) from None
 
-    if spec.calib is None:  # with a calibration file GPTQ alone decides (_common.py)
+    # The calibration forward and the weight-only fit keep a bounded heap; GPTQ, which
+    # allocates and frees large temporaries all the time, gets a loose one (_common.py).
+    calibrated = spec.calib is not None or spec.self_calib_tokens > 0
+    if spec.calib is None:
         bound_heap_growth()
     with tensor_progress() as bar:
         tasks: dict[str, TaskID] = {}
@@ -130,6 +134,8 @@ def main(
         counts = {"done": 0, "total": 0}
 
         def on_plan(plan: Plan) -> None:
+            if calibrated:
+                bound_heap_growth(GPTQ_HEAP_THRESHOLD)
             counts["total"] = len(plan.tensors)
             tasks["b"] = bar.add_task(f"tensors 0/{counts['total']}",
                                       total=plan.source.total_bytes)
