@@ -32,3 +32,19 @@ fi
 .venv/bin/python scripts/bench_convert.py --synthetic llama-3.2-1b --layers 4 --device cpu \
   --json "$out/convert-cpu.json" 2>&1 | tee "$out/convert-cpu.txt"
 .venv/bin/python -m pytest -q tests/test_native_fit.py -k cuda 2>&1 | tee "$out/fit_cuda_tests.txt"
+# GPTQ (the default conversion's fit) on the GPU against the native CPU loop: one
+# Llama-3-8B-sized layer (4096 x 4096) with a random Hessian, seconds per solve.
+.venv/bin/python - <<'EOF' 2>&1 | tee "$out/gptq_cuda.txt"
+import time, torch
+from tq_cli.quant import gptq
+from tq_cli.quant.rotation import make_rotation
+from tq_cli.quant.spec import QuantSpec, RotationSpec
+w = torch.randn(4096, 4096); x = torch.randn(8192, 4096); h = (x.T @ x).double() / 8192
+rot = make_rotation(RotationSpec(kind="hadamard"), 4096, 128)
+for dev in ("cuda", "cpu"):
+    args = (w.to(dev), h.to(dev), QuantSpec(bits=4), rot)
+    gptq.quantize_calibrated(*args, device=dev)  # warm-up
+    t = time.perf_counter(); gptq.quantize_calibrated(*args, device=dev)
+    if dev == "cuda": torch.cuda.synchronize()
+    print(f"gptq 4096x4096 4-bit on {dev}: {time.perf_counter() - t:.2f} s")
+EOF

@@ -128,3 +128,16 @@ def test_calibrated_quantization_is_the_same_with_either_loop(
     errs = [gptq.weighted_error(w_rot, dequantize_rotated(q), rotate_hessian(p["h"], rot))
             for q in runs]
     assert abs(errs[0] - errs[1]) / errs[0] < 1e-3
+
+
+@pytest.mark.gpu
+def test_gptq_on_cuda_matches_the_cpu() -> None:
+    # On CUDA the torch loop runs on the GPU (the native loop is the CPU's); same result.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    p = _problem(512, 256, 4, 64, seed=2)
+    rot = make_rotation(RotationSpec(kind="hadamard"), 256, 64)
+    cpu = gptq.quantize_calibrated(p["w"], p["h"], p["spec"], rot, device=CPU)
+    gpu = gptq.quantize_calibrated(p["w"].cuda(), p["h"].cuda(), p["spec"], rot,
+                                   device=torch.device("cuda"))
+    assert float((cpu.codes == gpu.codes).float().mean()) > 0.99

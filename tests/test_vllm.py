@@ -107,8 +107,10 @@ def _convert(source: Path, out: Path, recipe: str | None = None, bits: int = 4,
     from tq_cli.conversion.converter import ConvertSpec, convert
     from tq_cli.quant.spec import QuantSpec, RotationSpec
 
+    # --fast: these tests are about serving (and vLLM's venv has no accelerate, which
+    # self-calibration needs to run the model)
     convert(source, out, ConvertSpec(quant=QuantSpec(bits=bits, group_size=group_size),
-                                     recipe=recipe, device="cpu",
+                                     recipe=recipe, device="cpu", fast=True,
                                      rotation=RotationSpec(kind=rotation)))
     return out
 

@@ -100,7 +100,11 @@ def build_skeleton(folder: Path, config: dict, real_buffers: bool = True) -> nn.
     cfg = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     build = cls._from_config if hasattr(cls, "_from_config") else cls.from_config
     if real_buffers:
-        from accelerate import init_empty_weights
+        try:
+            from accelerate import init_empty_weights
+        except ImportError:
+            raise UnsupportedError("running the model needs accelerate, which is not "
+                                   "installed: pip install 'tq[models]'") from None
 
         with init_empty_weights(include_buffers=False):
             model = build(cfg, dtype=torch.float32)
