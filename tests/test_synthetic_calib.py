@@ -12,7 +12,7 @@ from weighted import weighted_errors
 from tq_cli.app import app
 from tq_cli.calibration.random_tokens import random_token_ids, synthetic_calibration, synthetic_plan
 from tq_cli.conversion.converter import ConvertSpec, convert
-from tq_cli.conversion.spec import SELF_CALIB_TOKENS
+from tq_cli.conversion.spec import SELF_CALIB_TOKENS, SELF_CALIB_TOKENS_LOW_BITS
 from tq_cli.errors import SourceError
 from tq_cli.io.calibration import read_calibration
 from tq_cli.io.manifest import read_manifest
@@ -184,3 +184,12 @@ def test_fast_and_calibration_flags_conflict_on_the_command_line(tiny_llama: Pat
                                  "--fast", "--synthetic-calib", "64"])
     assert r.exit_code == 2
     assert "--fast skips calibration" in r.stderr
+
+
+def test_the_default_token_count_follows_the_bits() -> None:
+    assert ConvertSpec().self_calib_tokens == SELF_CALIB_TOKENS
+    assert ConvertSpec(quant=QuantSpec(bits=3)).self_calib_tokens == SELF_CALIB_TOKENS_LOW_BITS
+    assert ConvertSpec(target_bits=3.0).self_calib_tokens == SELF_CALIB_TOKENS_LOW_BITS
+    assert ConvertSpec(quant=QuantSpec(bits=3), synthetic_calib=64).self_calib_tokens == 64
+    assert ConvertSpec(fast=True).self_calib_tokens == 0
+    assert ConvertSpec(synthetic_calib=0).self_calib_tokens == 0

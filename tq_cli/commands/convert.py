@@ -23,7 +23,7 @@ from tq_cli.commands._common import (
 )
 from tq_cli.conversion.converter import ConvertResult, ConvertSpec, convert
 from tq_cli.conversion.pipeline import Finished
-from tq_cli.conversion.spec import SELF_CALIB_TOKENS
+from tq_cli.conversion.spec import SELF_CALIB_TOKENS, SELF_CALIB_TOKENS_LOW_BITS
 from tq_cli.planning.plan import Plan
 
 HELP = "Convert a model folder (or hub id) into a TurboQuant checkpoint."
@@ -85,7 +85,8 @@ def main(
     synthetic_calib: int | None = typer.Option(
         None, "--synthetic-calib", help="Self-calibration: run the model on this many random "
         f"tokens and quantize GPTQ-style with what it saw (the default does, with "
-        f"{SELF_CALIB_TOKENS}, where the model can run); 0 = off."),
+        f"{SELF_CALIB_TOKENS}, {SELF_CALIB_TOKENS_LOW_BITS} at 3 bits or fewer, where the "
+        "model can run); 0 = off."),
     fast: bool = typer.Option(False, "--fast", help="The weight-only fit: no "
                               "self-calibration (seconds instead of a minute, lower "
                               "quality)."),
