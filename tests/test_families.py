@@ -234,3 +234,25 @@ def test_self_calibration_reaches_renamed_and_fused_layers(tmp_path: Path, name:
     fell_back = {e["fallback"] for e in entries if not e["calibrated"]}
     assert all(why.startswith("an expert routed") for why in fell_back)
     assert sum(e["calibrated"] for e in entries) >= len(entries) - 6
+
+
+def test_a_converter_of_a_kept_module_still_loads_it(tmp_path: Path) -> None:
+    # NomicBert's checkpoint has attn.Wqkv, which transformers splits into q/k/v when
+    # loading (a converter whose pattern names the module). tq keeps it; the converters
+    # tq's loader hands transformers must still split it, not leave q/k/v random.
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.NomicBertModel(T.NomicBertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64)).eval()
+    model.save_pretrained(tmp_path / "src")
+    r = convert(tmp_path / "src", tmp_path / "out",
+                ConvertSpec(quant=QuantSpec(bits=8, group_size=32), fast=True))
+    assert r.tensors_converted == 8
+    loaded, info = type(model).from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values())
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        want, got = model(input_ids=ids).last_hidden_state, loaded(input_ids=ids).last_hidden_state
+    assert _rel(got, want) < 1e-3

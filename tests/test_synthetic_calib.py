@@ -147,7 +147,8 @@ def test_the_default_self_calibrates_and_the_manifest_says_which_fit(tiny_llama:
     assert r.calibrated_tensors == r.tensors_converted > 0 and r.warnings == []
     manifest = json.loads((tmp_path / "default" / "tq_manifest.json").read_text())
     assert manifest["calibration"]["synthetic"] == "random-tokens"
-    assert manifest["calibration"]["tokens_requested"] == SELF_CALIB_TOKENS
+    assert manifest["calibration"]["tokens_requested"] == ConvertSpec(
+        quant=QUANT).self_calib_tokens
     assert {e["fit"] for e in manifest["tensors"] if e["action"] == "quantize"} == {"gptq"}
     fast = convert(tiny_llama, tmp_path / "fast", ConvertSpec(quant=QUANT, device="cpu",
                                                              fast=True))
@@ -193,3 +194,16 @@ def test_the_default_token_count_follows_the_bits() -> None:
     assert ConvertSpec(quant=QuantSpec(bits=3), synthetic_calib=64).self_calib_tokens == 64
     assert ConvertSpec(fast=True).self_calib_tokens == 0
     assert ConvertSpec(synthetic_calib=0).self_calib_tokens == 0
+
+
+def test_a_model_transformers_does_not_know_falls_back(tiny_llama: Path, tmp_path: Path) -> None:
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"model_type": "llama_future"}))
+    r = convert(src, tmp_path / "out", ConvertSpec(quant=QUANT, device="cpu"))
+    assert r.calibrated_tensors is None
+    assert any(w.startswith("weight-only fit: tq could not self-calibrate this model (")
+               and "does not know model_type 'llama_future'" in w for w in r.warnings)

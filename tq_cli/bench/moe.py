@@ -4,9 +4,10 @@ One routed-experts layer of OLMoE-1B-7B's shape (hidden 2048, expert intermediat
 64 experts, top-8; `--quick`: 16 experts of 1024 x 512, top-4), timed at batch 1 (a
 decode step: 8 experts' weights read) and at a 512-token prefill (every expert hit).
 tq's side is `TQExperts` (tq_cli.runtime.experts) over 4-bit TQLinear layers; the
-other side is transformers' `MixtralExperts` (the eager loop OLMoE, Qwen-MoE and
-DeepSeek-V3 share) with fused float32 weights, and the same module in bfloat16 with
-bfloat16 activations. The routing is the same random top-k for all three.
+other side is transformers' `MixtralExperts` (the module OLMoE, Qwen-MoE and DeepSeek-V3
+share) with fused float32 weights run as `from_pretrained` runs it (`grouped_mm`), the
+same in bfloat16 with bfloat16 activations, and float32 through the eager per-expert
+loop. The routing is the same random top-k for all four.
 
 The codes, scales and codebook are random, as in the kernels section: the time does not
 depend on the values.
@@ -54,7 +55,9 @@ def build(shape: dict[str, int], bits: int, gen: torch.Generator) -> tuple[nn.Mo
 
     cfg = MixtralConfig(hidden_size=shape["hidden"], intermediate_size=shape["inter"],
                         num_local_experts=shape["experts"])
-    cfg._experts_implementation = "eager"  # the loop a model built by from_pretrained runs
+    # what from_pretrained picks in transformers 5.25 (torch._grouped_mm); "eager", the
+    # per-expert loop, is timed beside it
+    cfg._experts_implementation = "grouped_mm"
     fp: Any = MixtralExperts(cfg)
     h, i = shape["hidden"], shape["inter"]
     with torch.no_grad():
@@ -70,11 +73,12 @@ def build(shape: dict[str, int], bits: int, gen: torch.Generator) -> tuple[nn.Mo
 @torch.no_grad()
 def _time(layers: list[nn.Module], x: torch.Tensor, index: torch.Tensor,
           weights: torch.Tensor, device: torch.device) -> list[float]:
-    """Microseconds of tq, float32 and bfloat16 (its activations and weights in bf16)."""
-    tq, fp, bf16 = layers
+    """Microseconds of tq, float32 (grouped_mm), bfloat16 (grouped_mm, its activations and
+    weights in bf16) and float32 through the eager loop."""
+    tq, fp, bf16, eager = layers
     xb, wb = x.to(torch.bfloat16), weights.to(torch.bfloat16)
     return time_us([lambda: tq(x, index, weights), lambda: fp(x, index, weights),
-                    lambda: bf16(xb, index, wb)], device)
+                    lambda: bf16(xb, index, wb), lambda: eager(x, index, weights)], device)
 
 
 def run(device: torch.device, quick: bool, bits: int = 4,
@@ -88,9 +92,13 @@ def run(device: torch.device, quick: bool, bits: int = 4,
         progress(f"moe: building {shape['experts']} experts")
     tq, fp = build(shape, bits, gen)
     bf16 = type(fp)(fp.config).to(torch.bfloat16)
+    eager_cfg = type(fp.config)(**fp.config.to_dict())
+    eager_cfg._experts_implementation = "eager"
+    eager = type(fp)(eager_cfg)
     with torch.no_grad():
-        bf16.gate_up_proj.copy_(fp.gate_up_proj)
-        bf16.down_proj.copy_(fp.down_proj)
+        for m in (bf16, eager):
+            m.gate_up_proj.copy_(fp.gate_up_proj)
+            m.down_proj.copy_(fp.down_proj)
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Metric] = {}
     for batch in BATCHES:
@@ -99,12 +107,14 @@ def run(device: torch.device, quick: bool, bits: int = 4,
         x = torch.randn(batch, shape["hidden"], generator=gen)
         scores = torch.randn(batch, shape["experts"], generator=gen)
         weights, index = scores.softmax(-1).topk(shape["top_k"], dim=-1)
-        t_tq, t_fp, t_bf16 = _time([tq, fp, bf16], x, index, weights, device)
+        t_tq, t_fp, t_bf16, t_eager = _time([tq, fp, bf16, eager], x, index, weights, device)
         tag = "decode" if batch == 1 else f"prefill{batch}"
-        ratios = {"tq_over_fp32": t_tq / t_fp, "tq_over_bf16": t_tq / t_bf16}
+        ratios = {"tq_over_fp32": t_tq / t_fp, "tq_over_bf16": t_tq / t_bf16,
+                  "tq_over_fp32_eager": t_tq / t_eager}
         rows.append({"layer": f"{shape['experts']}x({shape['hidden']}x{shape['inter']}) "
                               f"top-{shape['top_k']}", "batch": batch, "bits": bits,
-                     "tq_us": t_tq, "fp32_us": t_fp, "bf16_us": t_bf16} | ratios)
+                     "tq_us": t_tq, "fp32_us": t_fp, "bf16_us": t_bf16,
+                     "fp32_eager_us": t_eager} | ratios)
         for col, value in ratios.items():
             metrics[f"moe.{device.type}.{tag}.{bits}bit.{col}"] = Metric(value, "info")
     return rows, metrics

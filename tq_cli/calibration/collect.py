@@ -146,6 +146,11 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
     if src.config is None:  # make_plan refuses such a source before this can be reached
         raise SourceError(f"{folder}: no config.json; tq calibrate needs it to build the model")
     require_transformers("calibration runs the model")
+    from tq_cli.runtime.module_map import unknown_model
+
+    unknown = unknown_model(src.config)
+    if unknown is not None:
+        raise UnsupportedError(f"{folder}: tq calibrate cannot build this model: {unknown}")
     out_path = Path(out).expanduser()
     check_out(out_path, src)
     names = planned.converted_names
@@ -157,6 +162,10 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
     if getattr(hf_config, "vision_config", None) is not None and not built.can_generate():
         raise UnsupportedError(f"{folder}: an image-text encoder ({type(model).__name__}); tq "
                                "calibrate runs language models and text encoders on text")
+    if getattr(built, "main_input_name", "input_ids") != "input_ids":
+        raise UnsupportedError(f"{folder}: {type(model).__name__} reads "
+                               f"'{built.main_input_name}', not token ids; tq calibrate runs "
+                               "models on text")
     cfg = hf_config.get_text_config()
     max_pos = getattr(cfg, "max_position_embeddings", None)
     if isinstance(max_pos, int) and spec.seqlen > max_pos:

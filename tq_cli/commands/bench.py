@@ -104,7 +104,8 @@ def print_tables(result: dict[str, Any]) -> None:
     if s.get("moe"):
         stdout.print(_table("Mixture-of-experts layer: tq experts vs transformers' experts "
                             "module", s["moe"], ["layer", "batch", "bits", "tq_us", "fp32_us",
-                                                 "bf16_us", "tq_over_fp32", "tq_over_bf16"],
+                                                 "bf16_us", "fp32_eager_us", "tq_over_fp32",
+                                                 "tq_over_bf16", "tq_over_fp32_eager"],
                             "fastest of up to 50 runs; same random routing on all three"))
     env = result["environment"]
     stdout.print(f"{result['mode']} run in {result['seconds']:.1f} s on {env['device_name']} "

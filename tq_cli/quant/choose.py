@@ -8,7 +8,6 @@ bit allocation sees are those of the quantization that will run.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -80,10 +79,8 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
 
 # Rotated, checked and factored Hessians of the last few input groups: q, k and v (gate and
 # up) read one input, arrive one after another, and need the same R^T H R and Cholesky
-# factor. Keyed by the calibration object, the group, the rotation and the GPTQ options.
-# (The calibration object is checked by identity through a weak reference: an id can be
-# reused once its object is gone.)
-_PREPARED: OrderedDict[tuple, tuple[weakref.ref, PreparedHessian]] = OrderedDict()
+# factor. Kept on the calibration object itself, so they go when it goes (for a
+# 14336-wide input one entry is 2.5 GB), keyed by the group, the rotation and the options.
 _PREPARED_LOCK = threading.Lock()
 _PREPARED_KEEP = 4
 
@@ -91,17 +88,19 @@ _PREPARED_KEEP = 4
 def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.device,
               calib: CalibOptions) -> PreparedHessian:
     group = calib.calibration.group(name)
-    key = (id(calib.calibration), group if group is not None else name,
-           rotation.rotation_id, calib.damp, calib.act_order, str(device))
+    key = (group if group is not None else name, rotation.rotation_id, calib.damp,
+           calib.act_order, str(device))
     with _PREPARED_LOCK:
-        hit = _PREPARED.get(key)
-        if hit is not None and hit[0]() is calib.calibration:
-            _PREPARED.move_to_end(key)
-            return hit[1]
+        cache: OrderedDict[tuple, PreparedHessian] = calib.calibration.__dict__.setdefault(
+            "_tq_prepared", OrderedDict())
+        hit = cache.get(key)
+        if hit is not None:
+            cache.move_to_end(key)
+            return hit
     prepared = prepare_hessian(rotate_hessian(h, rotation), damp=calib.damp,
                                act_order=calib.act_order, device=device)
     with _PREPARED_LOCK:
-        _PREPARED[key] = (weakref.ref(calib.calibration), prepared)
-        while len(_PREPARED) > _PREPARED_KEEP:
-            _PREPARED.popitem(last=False)
+        cache[key] = prepared
+        while len(cache) > _PREPARED_KEEP:
+            cache.popitem(last=False)
     return prepared

@@ -42,6 +42,13 @@ def unsupported_because(module: nn.Module) -> str | None:
     if off:
         return (f"{name}'s experts have a layout tq does not run quantized ({', '.join(off)} "
                 "differ from the plain gate/up/down MLP)")
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return f"{name}: this transformers has no experts gating tq can check"
+    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return (f"{name} gates its experts its own way (not act(gate) * up), which tq does "
+                "not run quantized")
     return None
 
 

@@ -25,7 +25,13 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.checkpoint import check_checkpoint
-from tq_cli.io.format import FORMAT_VERSION, QUANT_METHOD, ConvertedEntry, converted_entries
+from tq_cli.io.format import (
+    FORMAT_VERSION,
+    QUANT_METHOD,
+    SUFFIXES,
+    ConvertedEntry,
+    converted_entries,
+)
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import DTYPES, read_header
 from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
@@ -168,6 +174,20 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     return model
 
 
+# A key that goes on with one of tq's stored suffixes (`X.weight.codes`): not the source's.
+_STORED = "(?!\\.(?:" + "|".join(SUFFIXES) + ")(?!\\w))"
+
+
+def _not_stored(pattern: str) -> str:
+    """A converter's source pattern that matches what it matched, except tq's stored keys
+    (transformers adds `(?!\\w)` to a pattern ending in a name; it is added here first, as
+    the suffix guard ends the pattern otherwise)."""
+    if pattern.endswith(_STORED):
+        return pattern
+    boundary = r"(?!\w)" if re.search(r"[a-zA-Z0-9]$", pattern) else ""
+    return pattern + boundary + _STORED
+
+
 class TurboQuantHfQuantizer(HfQuantizer):
     """Loads pre-quantized tq checkpoints; tq does not quantize inside from_pretrained."""
 
@@ -187,10 +207,12 @@ class TurboQuantHfQuantizer(HfQuantizer):
                                   model: nn.Module | None = None) -> list[Any]:
         """transformers' converters merge per-expert tensors into fused parameters, and
         their patterns end on a name boundary, so `experts.3.w1.weight` also matches the
-        stored `experts.3.w1.weight.codes`. Each converter is anchored at the end of the
-        key, so it still merges experts kept in full precision and leaves tq's stored
-        tensors to the TQExperts that holds them (tq_cli.runtime.experts). (transformers
-        before 5.2x calls this hook without the model.)"""
+        stored `experts.3.w1.weight.codes`. Each converter is copied with its patterns
+        refusing a key that goes on with one of tq's stored suffixes, so it still merges
+        what is kept in full precision (and any converter of a module, `attn.Wqkv`, still
+        matches `attn.Wqkv.weight`) and leaves tq's stored tensors to the TQExperts that
+        holds them (tq_cli.runtime.experts). (transformers before 5.2x calls this hook
+        without the model.)"""
         from transformers.core_model_loading import WeightConverter
 
         base = (super().update_weight_conversions(weight_conversions)  # type: ignore[call-arg]
@@ -199,15 +221,14 @@ class TurboQuantHfQuantizer(HfQuantizer):
         out = []
         for c in base:
             if isinstance(c, WeightConverter):
-                anchored = type(c)(
-                    source_patterns=[p if p.endswith("$") else p + "$"
-                                     for p in c._original_source_patterns],
+                guarded = type(c)(
+                    source_patterns=[_not_stored(p) for p in c._original_source_patterns],
                     target_patterns=list(c._original_target_patterns),
                     operations=list(c.operations))
                 for attr in ("scope_prefix", "base_model_prefix", "force_cpu"):
                     if hasattr(c, attr):
-                        setattr(anchored, attr, getattr(c, attr))
-                c = anchored
+                        setattr(guarded, attr, getattr(c, attr))
+                c = guarded
             out.append(c)
         return out
 

@@ -243,6 +243,13 @@ def unchecked_because(config: dict) -> str | None:
     if importlib.util.find_spec("transformers.conversion_mapping") is None:
         return (f"transformers {transformers.__version__} has no conversion mappings; "
                 "transformers 5 does the check")
+    return unknown_model(config)
+
+
+def unknown_model(config: dict) -> str | None:
+    """Why this transformers cannot build the model config.json describes without running
+    foreign code (a model type newer than it, or a model with its own code), or None."""
+    import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     if config.get("auto_map"):
