@@ -100,7 +100,9 @@ AutoRound's of `--autoround-group-size` (128, its default); all but AutoRound da
   multiple of the group (that kernel cannot take the partial last group).
   AutoRound's default is iters=200; on one core (nice, taskset, OMP_NUM_THREADS=1)
   SmolLM2-135M took ~78 s per block at 200 iterations with the 97 rows, ~40 minutes for
-  its 30 blocks, so it was run with --autoround-iters 100.
+  its 30 blocks, so it was run with --autoround-iters 100 (17.4 minutes; lr 1/100);
+  MiniLM with the default 200 (5.5 minutes) and with 100. AutoRound runs the BERT
+  encoder as it is (blocks encoder.layer.N; the pooler is left out, as tq leaves it).
 
 Bits per weight are counted as tq counts them (tq_cli/conversion/finish.py: every byte stored for
 the converted tensors, over their number of weights): the sum, over the converted
