@@ -77,7 +77,10 @@ class Calibration:
         layer sees only the tokens routed to it; with fewer than half as many tokens as
         its inputs, H has rank below n/2 and GPTQ would move the error into directions no
         token probed, so that expert gets the weight-only fit."""
-        if tensor_name not in self.meta.get("routed", ()):
+        routed = self.__dict__.get("_routed")
+        if routed is None:  # a set once: a large MoE has tens of thousands of experts' tensors
+            routed = self.__dict__["_routed"] = frozenset(self.meta.get("routed", ()))
+        if tensor_name not in routed:
             return None
         key = self.meta["tensors"][tensor_name]
         n = self.entries[f"hessian.{key}"].shape[0]

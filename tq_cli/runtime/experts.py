@@ -71,6 +71,9 @@ class TQExperts(nn.Module):
         self.__dict__["original"] = original
         table: list[dict[str, TQLinear]] = [{} for _ in range(self.num_experts)]
         for (index, role), (path, layer) in layers.items():
+            if not 0 <= index < self.num_experts:
+                raise ValueError(f"the manifest names expert {index}, but the layer has "
+                                 f"{self.num_experts}")
             parent: nn.Module = self
             *parents, leaf = path.split(".")
             for part in parents:
