@@ -96,13 +96,13 @@ class ExpertTap:
         return module.register_forward_pre_hook(pre, with_kwargs=True)
 
     def add(self, mod: Any, hidden: torch.Tensor, index: torch.Tensor) -> None:
+        from tq_cli.runtime.experts import routed
+
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        k = index.shape[-1]
-        flat = index.reshape(-1)
-        for e in torch.unique(flat).tolist():
-            rows = (flat == e).nonzero().flatten() // k
+        count = int(mod.gate_up_proj.shape[0])
+        for e, rows, _ in routed(index, count):
             if (e, "in") not in self.groups:
-                continue  # transformers' marker of a masked slot
+                continue
             x = hidden[rows]
             gate, up = F.linear(x, mod.gate_up_proj[e].to(x.dtype)).chunk(2, dim=-1)
             for kind, inp in (("in", x), ("down", mod.act_fn(gate) * up)):

@@ -15,7 +15,7 @@ for the experts some token was routed to: no expert is ever dequantized to run i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,25 @@ from tq_cli.runtime.tq_linear import TQLinear
 # value of the one layout TQExperts computes (concatenated [gate; up], no bias, ...).
 LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False,
           "is_concatenated": True, "has_post_expert_norm": False}
+
+
+def routed(top_k_index: torch.Tensor, num_experts: int
+           ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, token rows, flat slots) for every expert some token was routed to: the
+    routed slots sorted by expert once, so each expert runs once on all its tokens.
+    Indices of `num_experts` or more (transformers' marker of a masked slot) are skipped;
+    a token that picks an expert twice appears twice. `flat slot` indexes the router
+    weights reshaped to one dimension."""
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    start = 0
+    for index, count in enumerate(counts):
+        picked = order[start:start + count]
+        start += count
+        if count and index < num_experts:
+            yield index, picked // k, picked
 
 
 def unsupported_because(module: nn.Module) -> str | None:
@@ -96,20 +115,8 @@ class TQExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
-        k = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         weights = top_k_weights.reshape(-1)
-        start = 0
-        for index, count in enumerate(counts):
-            if count == 0:
-                continue
-            picked = order[start:start + count]
-            start += count
-            if index >= self.num_experts:  # transformers' marker of a masked slot
-                continue
-            rows = picked // k
+        for index, rows, picked in routed(top_k_index, self.num_experts):
             layers = self.expert(index)
             x = hidden_states[rows]
             h = self.act_fn(layers["gate"](x)) * layers["up"](x)

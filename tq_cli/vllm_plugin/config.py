@@ -57,7 +57,7 @@ from tq_cli.io.format import (
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME
 from tq_cli.io.source import resolve_source
-from tq_cli.vllm_plugin.info import LayerInfo, RotationInfo, rotation_material
+from tq_cli.vllm_plugin.info import LayerInfo, RotationInfo, rank_rotation
 from tq_kernels import dispatch
 from tq_kernels.packing import packed_row_bytes
 from tq_kernels.reference import Material
@@ -303,15 +303,9 @@ class TQLinearMethod(LinearMethodBase):
         first = st.parts[0]
         rid = first.info.rotation
         if rid is not None:
-            rot = self.config.rotations[rid]
             assert self.config.folder is not None
-            keys = tuple((s, f, k) for s, (f, k) in sorted(rot.keys.items()))
-            mat = split.slice_rotation(rot.kind, rotation_material(self.config.folder, rid, keys),
-                                       rot.n, first.cols)
-            mat = {k: t.to(dev) for k, t in mat.items()}
-            st.rotation = (mat["signs"] if rot.kind == "hadamard"
-                           else (mat.get("matrix"), mat.get("tail")))
-            st.block = rot.block
+            st.rotation, st.block = rank_rotation(self.config.folder, rid,
+                                                  self.config.rotations[rid], first.cols, dev)
         st.key = f"{self.prefix}#{id(layer)}"
         _LAYERS[st.key] = layer
 

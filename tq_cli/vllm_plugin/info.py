@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tq_kernels.reference import Material
+
 
 @dataclass(frozen=True)
 class LayerInfo:
@@ -48,3 +50,17 @@ def rotation_material(folder: str, rid: str, keys: tuple[tuple[str, str, str], .
         with safe_open(str(Path(folder) / shard), framework="pt", device="cpu") as f:
             out[suffix] = f.get_tensor(key)
     return out
+
+
+def rank_rotation(folder: str, rid: str, rot: RotationInfo, cols: tuple[int, int],
+                  device: torch.device) -> tuple[Material, int]:
+    """The shared rotation material cut to the input columns this rank holds
+    (tq_cli.vllm_plugin.split), on `device`, with its block size."""
+    import tq_cli.vllm_plugin.split as split
+
+    keys = tuple((s, f, k) for s, (f, k) in sorted(rot.keys.items()))
+    mat = split.slice_rotation(rot.kind, rotation_material(folder, rid, keys), rot.n, cols)
+    mat = {k: t.to(device) for k, t in mat.items()}
+    material: Material = (mat["signs"] if rot.kind == "hadamard"
+                          else (mat.get("matrix"), mat.get("tail")))
+    return material, rot.block

@@ -37,7 +37,8 @@ from vllm.utils.torch_utils import direct_register_custom_op
 import tq_cli.vllm_plugin.split as split
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import SUFFIXES
-from tq_cli.vllm_plugin.info import LayerInfo, rotation_material
+from tq_cli.runtime.experts import routed
+from tq_cli.vllm_plugin.info import LayerInfo, rank_rotation
 from tq_kernels import dispatch
 from tq_kernels.reference import Material
 
@@ -152,15 +153,9 @@ class TQMoEMethod(FusedMoEMethodBase):
             rid = p.info.rotation
             if rid is None:
                 continue
-            rot = self.config.rotations[rid]
             assert self.config.folder is not None
-            keys = tuple((s, f, k) for s, (f, k) in sorted(rot.keys.items()))
-            mat = split.slice_rotation(rot.kind, rotation_material(self.config.folder, rid, keys),
-                                       rot.n, p.cols)
-            mat = {k: t.to(dev) for k, t in mat.items()}
-            material: Material = (mat["signs"] if rot.kind == "hadamard"
-                                  else (mat.get("matrix"), mat.get("tail")))
-            st.rotations[role] = (material, rot.block)
+            st.rotations[role] = rank_rotation(self.config.folder, rid,
+                                               self.config.rotations[rid], p.cols, dev)
         if any(r[role].info.rotation != st.experts[0][role].info.rotation
                for r in st.experts for role in ("gate", "up", "down")) or (
                 st.experts[0]["gate"].info.rotation != st.experts[0]["up"].info.rotation):
@@ -219,20 +214,8 @@ def _tq_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     gate_rot = st.rotations.get("gate")
     # Every expert's gate and up read x in one rotated basis: rotate once.
     x_rot = dispatch.rotate(x, gate_rot[0], gate_rot[1]) if gate_rot is not None else x
-    k = topk_ids.shape[-1]
-    flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(st.experts)).tolist()
     weights = topk_weights.reshape(-1)
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        picked = order[start:start + count]
-        start += count
-        if e >= len(st.experts):
-            continue
-        rows = picked // k
+    for e, rows, picked in routed(topk_ids, len(st.experts)):
         roles = st.experts[e]
         xe = x_rot[rows]
         h = F.silu(_linear(xe, roles["gate"], None)) * _linear(xe, roles["up"], None)
