@@ -137,8 +137,8 @@ INVALID = [
     (["--needle", "--needle-seeds", "0"],
      "--needle-seeds: must be at least 1 passkey per length and depth, got 0"),
     (["--sweep", "colour=red"],
-     "--sweep: unknown key 'colour'; known: bits, codebook, group-size, outliers, rotation, "
-     "rotation-block, scale-iters, seed, temperature, window-overlap"),
+     "--sweep: unknown key 'colour'; known: bits, codebook, col-scale, group-size, outliers, "
+     "rotation, rotation-block, scale-iters, seed, temperature, window-overlap"),
     (["--sweep", "bits=3,5"],
      "--sweep: combination {'bits': 5} is invalid: bits must be 2, 3, 4 or 8, got 5"),
     (["--sweep", "bits"], "--sweep: 'bits' is not key=v1,v2"),

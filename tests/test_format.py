@@ -19,6 +19,7 @@ from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.errors import TqError
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.format import (
+    COL_SCALE,
     FORMAT_VERSION,
     GUARD_DTYPE,
     GUARD_SHAPE,
@@ -95,13 +96,16 @@ def test_stored_keys_are_exactly_the_ones_format_names(converted: Path,
     rotations = {rotation_key(rid, suffix)
                  for rid, r in man.get("rotations", {}).items()
                  for suffix in material_layout(r["kind"], r["n"], r["block"])}
-    want = ((source - names) | {stored_key(n, s) for n in names for s in SUFFIXES}
+    # the default conversion scales every weight's columns (format version 2)
+    assert all(e.spec.col_scale == "sinkhorn" for e in entries)
+    suffixes = (*SUFFIXES, COL_SCALE)
+    want = ((source - names) | {stored_key(n, s) for n in names for s in suffixes}
             | {man["guard"]} | rotations)
     assert stored == want
     assert {k for k in stored if k.startswith(ROTATION_PREFIX)} == rotations
     assert bool(rotations) == (converted.name != "tq-none")
     for e in entries:
-        assert e.keys == {s: f"{e.name}.{s}" for s in SUFFIXES}
+        assert e.keys == {s: f"{e.name}.{s}" for s in suffixes}
 
 
 def test_converted_entries_are_every_converted_tensor_and_nothing_else(
@@ -133,8 +137,9 @@ def test_layout_and_guard_agree_with_the_shard_headers(converted: Path) -> None:
     entries = converted_entries(man)
     for e in entries:
         layout = storage_layout(e.shape[0], e.shape[1], e.spec)
-        assert list(layout) == list(SUFFIXES)
-        assert e.storage() == {e.keys[s]: layout[s] for s in SUFFIXES}
+        assert list(layout) == [*SUFFIXES, COL_SCALE]
+        assert layout[COL_SCALE] == ("F16", [e.shape[1]])
+        assert e.storage() == {e.keys[s]: layout[s] for s in layout}
         for key, (dtype, shape) in e.storage().items():
             assert (headers[key]["dtype"], headers[key]["shape"]) == (dtype, shape), key
     guard = man["guard"]

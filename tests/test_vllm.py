@@ -236,9 +236,9 @@ def test_merged_parts_with_different_specs_are_refused(tmp_path: Path) -> None:
     rid = "hadamard-n256-b128-s0"
     assert ("tq: cannot load model.layers.0.self_attn.qkv_proj: vLLM merges its parts into "
             "one layer, but they were converted with different specs (q_proj: 4 bits, group "
-            f"128, rotation {rid}; k_proj: 3 bits, group 128, rotation {rid}; v_proj: 4 bits, "
-            f"group 128, rotation {rid}); convert them with the same bits, group size and "
-            "rotation") in log
+            f"128, rotation {rid}, column scales; k_proj: 3 bits, group 128, rotation {rid}, "
+            f"column scales; v_proj: 4 bits, group 128, rotation {rid}, column scales); "
+            "convert them with the same bits, group size, rotation and column scaling") in log
 
 
 def _tiny_mixtral(folder: Path) -> Path:

@@ -7,8 +7,8 @@ from pathlib import Path
 from tq_cli.io.calibration import Calibration
 from tq_cli.io.checkpoint import Checkpoint
 from tq_cli.io.safetensors_reader import open_source, read_tensor
-from tq_cli.quant.gptq import relative_weighted_error, rotate_hessian
-from tq_cli.quant.grouped import dequantize_rotated
+from tq_cli.quant.gptq import relative_weighted_error
+from tq_cli.quant.grouped import dequantize
 
 
 def weighted_errors(folder: Path, calib: Calibration) -> dict[str, float]:
@@ -19,10 +19,9 @@ def weighted_errors(folder: Path, calib: Calibration) -> dict[str, float]:
     for t in ck.manifest["tensors"]:
         if t["action"] != "quantize":
             continue
-        q = ck.quantized(t["name"])
-        w_rot = q.rotation.rotate_rows(read_tensor(src.tensors[t["name"]]).float())
+        q = ck.quantized(t["name"])  # in the original basis, column scales included
+        w = read_tensor(src.tensors[t["name"]]).float()
         h = calib.hessian(t["name"])
         assert h is not None
-        out[t["name"]] = relative_weighted_error(w_rot, dequantize_rotated(q),
-                                                 rotate_hessian(h, q.rotation))
+        out[t["name"]] = relative_weighted_error(w, dequantize(q), h)
     return out

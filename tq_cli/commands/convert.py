@@ -76,6 +76,7 @@ def main(
     scale_iters: int = quant_option("scale-iters"),
     window_overlap: int = quant_option("window-overlap"),
     temperature: str | None = quant_option("temperature"),
+    col_scale: str = quant_option("col-scale"),
     calib: Path | None = typer.Option(None, "--calib", help="Calibration file from tq "
                                       "calibrate: GPTQ-style error feedback per layer."),
     damp: float = typer.Option(0.01, "--damp", help="With --calib: damping, a fraction of "

@@ -53,6 +53,7 @@ def main(
     codebook: str = quant_option("codebook"),
     outliers: float = quant_option("outliers"),
     scale_iters: int = quant_option("scale-iters"),
+    col_scale: str = quant_option("col-scale"),
     recipe: str | None = typer.Option(None, "--recipe", help="Recipe name or TOML path."),
     finalists: int = typer.Option(4, "--finalists", min=1,
                                   help="Seeds per tensor scored exactly after the screen."),

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from tq_cli.errors import first_error
-from tq_cli.quant.spec import QuantSpec, RotationSpec
+from tq_cli.quant.spec import CONVERT_COL_SCALE, QuantSpec, RotationSpec
 
 
 def parse_temperature(text: str | None) -> float | str | None:
@@ -38,6 +38,8 @@ class QuantOption:
 
     @property
     def default(self) -> Any:
+        if self.field == "quant.col_scale":
+            return CONVERT_COL_SCALE  # a conversion's default, not QuantSpec's
         model: type[BaseModel] = QuantSpec if self.field.startswith("quant.") else RotationSpec
         return model.model_fields[self.field.split(".", 1)[1]].default
 
@@ -55,6 +57,9 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
                 "overlapping window)."),
     QuantOption("temperature", "quant.temperature", parse_temperature,
                 "Soft codebook refinement: a number, 'auto' (sqrt(d)/ln(group)) or 'none'."),
+    QuantOption("col-scale", "quant.col_scale", str,
+                "Input-column scales before the rotation: sinkhorn (SINQ's normalisation, "
+                "stored per weight) | none."),
     QuantOption("rotation", "rotation.kind", str, "hadamard | orthogonal | none."),
     QuantOption("rotation-block", "rotation.block", int,
                 "Rotation block size (default: the group size)."),

@@ -26,6 +26,7 @@ from tq_cli.io.safetensors_reader import read_tensor, tensor_sha256
 from tq_cli.io.writer import ShardWriter
 from tq_cli.planning.plan import TensorPlan
 from tq_cli.quant.choose import CalibOptions, quantize_tensor
+from tq_cli.quant.colscale import sinkhorn_columns
 from tq_cli.quant.grouped import (
     FP16_MAX,
     QuantizedTensor,
@@ -60,6 +61,12 @@ class _Rotated:
     rotation: Rotation
     nonfinite: int
     source_sha256: str
+    # t, when the spec scales columns: w_rot is then W/t R; _UNSCALED: t is not computed
+    # yet and w_rot is W itself (the quantize workers scale and rotate it, in parallel)
+    col_scale: torch.Tensor | None = None
+
+
+_UNSCALED = torch.empty(0)  # _Rotated.col_scale of a weight not yet scaled nor rotated
 
 
 @dataclass
@@ -206,6 +213,9 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
                 log(f"tensor '{tp.info.name}': {huge} values beyond ±{FP16_MAX:g} clamped")
         rot = (rotations[tp.rotation_id] if tp.rotation_id
                else Rotation("none", w.shape[1], tp.block, 0))
+        if tp.quant is not None and tp.quant.col_scale != "none":
+            # scaled and rotated by the quantize workers, which run in parallel
+            return _Rotated(tp, w, rot, nonfinite, item.source_sha256, _UNSCALED)
         return _Rotated(tp, rotate_owned(w, rot), rot, nonfinite, item.source_sha256)
 
     thin: list[str] = []  # experts routed too few tokens to fit with their Hessian
@@ -216,7 +226,13 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         assert item.plan.quant is not None
         t0 = time.perf_counter()
         name = item.plan.info.name
-        res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device, calib)
+        norm = None
+        if item.col_scale is _UNSCALED:
+            norm = float(torch.linalg.vector_norm(item.w_rot, dtype=torch.float64) ** 2)
+            item.col_scale = sinkhorn_columns(item.w_rot)
+            item.w_rot = rotate_owned(item.w_rot.div_(item.col_scale), item.rotation)
+        res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device, calib,
+                              item.col_scale, norm)
         if res.fallback and item.plan.expert is not None and res.fallback.startswith(
                 "an expert routed"):
             thin.append(name)  # said once at the end: a MoE has hundreds of experts

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tq_cli.device import Device
-from tq_cli.quant.spec import QuantSpec, RotationSpec
+from tq_cli.quant.spec import QuantSpec, RotationSpec, convert_default_col_scale
 
 # Random tokens the default conversion runs through the model (docs/decisions.md: chosen
 # from the tokens-quality curve on SmolLM2 and MiniLM), and at 3 bits or fewer, where the
@@ -50,6 +51,12 @@ class ConvertSpec(BaseModel):
     target_bits: float | None = Field(None, gt=1.0, le=8.5, description="mixed precision: "
                                       "average bits per weight to reach")
     bit_choices: tuple[int, ...] = (2, 3, 4)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_col_scale(cls, data: Any) -> Any:
+        """Column scales on unless the quant spec says otherwise (CONVERT_COL_SCALE)."""
+        return convert_default_col_scale(data)
 
     @model_validator(mode="after")
     def _check_mixed(self) -> ConvertSpec:

@@ -1,7 +1,7 @@
 """File formats, one module each, knowing nothing of codebooks: `source` (folder or hub
 id), `safetensors_reader` (headers first, then one tensor at a time), `writer` (shards at
 planned offsets, the journal), `output` (the partial folder, lock, resume, swap),
-`format` (checkpoint format v1, defined once), `manifest`, `integrity` and `checkpoint`
+`format` (the checkpoint format, defined once), `manifest`, `integrity` and `checkpoint`
 (reading a checkpoint back, checked), `calibration` (the calibration file), `seeds`
 (the SEEDS file) and `text` (evaluation and calibration text).
 """

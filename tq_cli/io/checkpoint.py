@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from tq_cli.errors import CorruptFileError, TqError
-from tq_cli.io.format import ROTATION_PREFIX, ConvertedEntry, converted_entries
+from tq_cli.io.format import COL_SCALE, ROTATION_PREFIX, ConvertedEntry, converted_entries
 from tq_cli.io.integrity import verify_checkpoint, verify_shard_checksums
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME
@@ -67,6 +67,7 @@ class Checkpoint:
             codes=stored["codes"], scales=stored["scales"], codebook=stored["codebook"],
             outlier_idx=stored["outlier_idx"], outlier_val=stored["outlier_val"],
             rel_error=e.rel_error if e.rel_error is not None else float("nan"),
+            col_scale=stored.get(COL_SCALE),
         )
 
     def rotation_keys(self) -> list[str]:

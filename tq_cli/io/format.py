@@ -1,11 +1,13 @@
-"""Format v1, defined once: what a tq folder stores and under which names.
+"""The checkpoint format (version 2), defined once: what a tq folder stores, under which
+names.
 
 Every writer and reader of a checkpoint asks this module instead of spelling the format
 itself (docs/format.md describes it for people):
 
 - `FORMAT_VERSION`, `QUANT_METHOD` (config.json's `quantization_config.quant_method`)
   and `MANIFEST`, the manifest's file name;
-- the stored tensors of a converted weight `X.weight`: `SUFFIXES`, their keys
+- the stored tensors of a converted weight `X.weight`: `SUFFIXES` (and `COL_SCALE`
+  where its spec scales columns; `ALL_SUFFIXES` names both), their keys
   (`stored_key`: `X.weight.codes`, ...), and their dtypes and shapes, known from the
   weight's shape and spec before any compute (`storage_layout`; the byte layout of a
   packed row is tq_kernels.packing's);
@@ -35,13 +37,18 @@ from tq_cli.quant.rotation import ROTATION_PREFIX
 from tq_cli.quant.spec import QuantSpec
 from tq_kernels.packing import packed_row_bytes
 
-FORMAT_VERSION = 1
+# 2: a converted weight may store column scales (`COL_SCALE`); version 1 folders (none
+# do) read as before, and a reader of version 1 refuses a version 2 folder by name.
+FORMAT_VERSION = 2
 QUANT_METHOD = "turboquant"
 MANIFEST = "tq_manifest.json"
 
 # The stored tensors of one converted weight, in storage order; each is the
 # QuantizedTensor field of the same name.
 SUFFIXES = ("codes", "scales", "codebook", "outlier_idx", "outlier_val")
+# Stored only where the spec's col_scale is not "none": t, x is scaled by before rotation.
+COL_SCALE = "col_scale"
+ALL_SUFFIXES = (*SUFFIXES, COL_SCALE)
 
 GUARD = "tq.guard"  # the guard's entry in the conversion journal (not a stored key)
 GUARD_DTYPE = "U8"
@@ -49,7 +56,8 @@ GUARD_SHAPE = (0,)
 
 CONVERTED = "quantize"  # a manifest entry's `action` for a converted weight
 
-__all__ = ["CONVERTED", "FORMAT_VERSION", "GUARD", "GUARD_DTYPE", "GUARD_SHAPE", "MANIFEST",
+__all__ = ["ALL_SUFFIXES", "COL_SCALE", "CONVERTED", "FORMAT_VERSION", "GUARD", "GUARD_DTYPE",
+           "GUARD_SHAPE", "MANIFEST",
            "QUANT_METHOD", "ROLES", "ROTATION_PREFIX", "SUFFIXES", "ConvertedEntry", "Expert",
            "check_format_version", "converted_entries", "rotation_key", "storage_layout",
            "stored_key", "stored_tensors"]
@@ -69,19 +77,26 @@ def storage_layout(out: int, n: int, spec: QuantSpec) -> dict[str, tuple[str, li
     """suffix -> (safetensors dtype, shape) of the stored tensors of a converted [out, n]
     weight, known before any compute."""
     k = outlier_count(out * n, spec.outliers)
-    return {
+    layout = {
         "codes": ("U8", [out, packed_row_bytes(n, spec.bits)]),
         "scales": ("F16", [out, group_count(n, spec.group_size)]),
         "codebook": ("F32", [1 << spec.bits]),
         "outlier_idx": ("I32", [k]),
         "outlier_val": ("F16", [k]),
     }
+    if spec.col_scale != "none":
+        layout[COL_SCALE] = ("F16", [n])
+    return layout
 
 
 def stored_tensors(weight: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
-    """key -> tensor of what format v1 stores for converted weight `weight` (the rotation
+    """key -> tensor of what the format stores for converted weight `weight` (the rotation
     material is stored once per rotation, apart)."""
-    return {stored_key(weight, s): getattr(q, s) for s in SUFFIXES}
+    if (q.spec.col_scale != "none") != (q.col_scale is not None):
+        raise ValueError(f"'{weight}': spec col_scale '{q.spec.col_scale}' does not match "
+                         "the column scales the fit returned")
+    suffixes = (*SUFFIXES, COL_SCALE) if q.col_scale is not None else SUFFIXES
+    return {stored_key(weight, s): getattr(q, s) for s in suffixes}
 
 
 def check_format_version(where: str | Path, version: int) -> None:
@@ -133,7 +148,8 @@ class ConvertedEntry:
     @property
     def keys(self) -> dict[str, str]:
         """suffix -> key of each stored tensor."""
-        return {s: stored_key(self.name, s) for s in SUFFIXES}
+        return {s: stored_key(self.name, s)
+                for s in storage_layout(self.shape[0], self.shape[1], self.spec)}
 
     def storage(self) -> dict[str, tuple[str, list[int]]]:
         """key -> (safetensors dtype, shape) of each stored tensor."""
@@ -149,7 +165,8 @@ def _converted(e: Mapping[str, Any]) -> ConvertedEntry:
         raise ValueError(f"converted tensor '{name}' has no spec, no rotation or a shape "
                          "that is not 2-D")
     try:
-        qs = QuantSpec.model_validate(dict(spec))
+        # Format version 1 had no column scales: its specs lack the field.
+        qs = QuantSpec.model_validate({"col_scale": "none", **spec})
     except ValidationError as err:
         where, what = first_error(err)
         raise ValueError(f"converted tensor '{name}' has an invalid spec at '{where}': "
@@ -159,7 +176,7 @@ def _converted(e: Mapping[str, Any]) -> ConvertedEntry:
             or not (rid is None or isinstance(rid, str))
             or not all(isinstance(d, int) for d in shape)):
         raise ValueError(f"converted tensor '{name}' has a rotation or shape that is not "
-                         "format v1's")
+                         "the format's")
     rel, placed = e.get("rel_error"), e.get("module")
     if not (placed is None or isinstance(placed, str)):
         raise ValueError(f"converted tensor '{name}' has a module that is not a name")
@@ -179,7 +196,7 @@ def _expert(name: str, record: Any) -> Expert | None:
     if (not isinstance(of, str) or not isinstance(index, int) or isinstance(index, bool)
             or index < 0 or role not in ROLES):
         raise ValueError(f"converted tensor '{name}' has an expert record that is not "
-                         "format v1's (of, index, role)")
+                         "the format's (of, index, role)")
     return Expert(of, index, role)
 
 
@@ -187,7 +204,7 @@ def converted_entries(manifest: Mapping[str, Any]) -> list[ConvertedEntry]:
     """Every converted weight of a manifest, in manifest order, and nothing else.
 
     Raises TqError for a newer format version, and ValueError naming the first converted
-    entry that lacks what format v1 needs; readers that name the file wrap it
+    entry that lacks what the format needs; readers that name the file wrap it
     (tq_cli.io.integrity does, before any other reader sees the manifest)."""
     version = manifest.get("format_version")
     if isinstance(version, int):

@@ -1,4 +1,4 @@
-"""`tq_manifest.json` and the `quantization_config` of config.json (format v1).
+"""`tq_manifest.json` and the `quantization_config` of config.json (tq_cli.io.format).
 
 The manifest is plain JSON: format and tq versions, the source fingerprint, the
 recipe and specs, per tensor what was done and where it is stored, and a sha256 per
@@ -62,6 +62,7 @@ def quantization_config(quant: dict, rotation: dict, block: int | None,
         "group_size": quant["group_size"],
         "codebook": quant["codebook"],
         "outliers": quant["outliers"],
+        "col_scale": quant.get("col_scale", "none"),
         "rotation": rotation["kind"],
         "rotation_block": block,
         "seed": rotation["seed"],

@@ -166,6 +166,11 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
             continue
         if bits and info.name in bits:
             spec = spec.model_copy(update={"bits": bits[info.name]})
+        expert = (experts or {}).get(info.name)
+        if expert is not None and spec.col_scale != "none":
+            # A layer's experts read one routed input, rotated once for all of them
+            # (tq_cli.runtime.experts, the vLLM MoE op): no per-expert column scales.
+            spec = spec.model_copy(update={"col_scale": "none"})
         rot = rotation
         if seeds and info.name in seeds:
             rot = RotationSpec(kind=rotation.kind, block=rotation.block, seed=seeds[info.name])
@@ -188,7 +193,7 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
         if module == info.name.removesuffix(".weight"):
             module = None
         tensors.append(TensorPlan(info, CONVERTED, spec, rot, block, rid, keys, module,
-                                  expert=(experts or {}).get(info.name)))
+                                  expert=expert))
     rotations = {rid: RotationPlan(r.rotation_id, r.spec, r.n, r.block, r.keys, users[rid])
                  for rid, r in rotations.items()}
     # The guard sits under a converted weight's name; not an expert's, whose name a

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tq_cli.quant.colscale import scale_hessian
 from tq_cli.quant.gptq import (
     CalibrationUnusableError,
     PreparedHessian,
@@ -22,7 +23,12 @@ from tq_cli.quant.gptq import (
     rotate_hessian,
     weighted_errors,
 )
-from tq_cli.quant.grouped import QuantizedTensor, dequantize_rotated, quantize_rotated
+from tq_cli.quant.grouped import (
+    QuantizedTensor,
+    dequantize_rotated,
+    quantize_rotated,
+    with_col_scale,
+)
 from tq_cli.quant.rotation import Rotation
 from tq_cli.quant.spec import QuantSpec
 
@@ -58,38 +64,53 @@ class TensorResult:
 
 
 def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: Rotation,
-                    device: torch.device, calib: CalibOptions | None) -> TensorResult:
+                    device: torch.device, calib: CalibOptions | None,
+                    col_scale: torch.Tensor | None = None,
+                    norm: float | None = None) -> TensorResult:
+    """`w_rot`: the rotated weight, its columns already divided by `col_scale` (t) when the
+    spec scales them (tq_cli.quant.colscale); the result stores t. `norm`: ||W||^2 of the
+    unscaled weight, where the caller has it (saves a pass)."""
+    if (spec.col_scale != "none") != (col_scale is not None):
+        raise ValueError(f"tensor '{name}': spec col_scale '{spec.col_scale}' but column "
+                         f"scales {'given' if col_scale is not None else 'missing'}")
+
+    def done(q: QuantizedTensor) -> QuantizedTensor:
+        return q if col_scale is None else with_col_scale(q, w_rot, col_scale, norm)
+
     if calib is None:
-        return TensorResult(quantize_rotated(w_rot, spec, rotation, device), {}, None, None)
+        return TensorResult(done(quantize_rotated(w_rot, spec, rotation, device)), {}, None,
+                            None)
     h = calib.calibration.hessian(name)
     reason = "saw no calibration tokens" if h is None else calib.calibration.unusable(name)
     if h is not None and reason is None:
         try:
-            prepared = _prepared(name, h, rotation, device, calib)
+            prepared = _prepared(name, h, rotation, device, calib, col_scale)
             q = quantize_calibrated(w_rot, prepared, spec, rotation, damp=calib.damp,
                                     act_order=calib.act_order, device=device)
+            # tr(dW' H' dW'^T) = tr(dW H dW^T): the weighted error needs no correction.
             werr, rel = weighted_errors(w_rot, dequantize_rotated(q), prepared.h)
             rec = {"calibrated": True, "weighted_rel_error": rel}
-            return TensorResult(q, rec, werr, None)
+            return TensorResult(done(q), rec, werr, None)
         except CalibrationUnusableError as e:
             reason = str(e)
     q = quantize_rotated(w_rot, spec, rotation, device)
-    return TensorResult(q, {"calibrated": False, "fallback": reason}, None, reason)
+    return TensorResult(done(q), {"calibrated": False, "fallback": reason}, None, reason)
 
 
 # Rotated, checked and factored Hessians of the last few input groups: q, k and v (gate and
 # up) read one input, arrive one after another, and need the same R^T H R and Cholesky
-# factor. Kept on the calibration object itself, so they go when it goes (for a
-# 14336-wide input one entry is 2.5 GB), keyed by the group, the rotation and the options.
+# factor (unless their columns are scaled: each has its own t, so its own H'). Kept on
+# the calibration object itself, so they go when it goes (for a 14336-wide input one
+# entry is 2.5 GB), keyed by the group (or tensor), the rotation and the options.
 _PREPARED_LOCK = threading.Lock()
 _PREPARED_KEEP = 4
 
 
 def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.device,
-              calib: CalibOptions) -> PreparedHessian:
+              calib: CalibOptions, col_scale: torch.Tensor | None) -> PreparedHessian:
     group = calib.calibration.group(name)
-    key = (group if group is not None else name, rotation.rotation_id, calib.damp,
-           calib.act_order, str(device))
+    key = (group if group is not None and col_scale is None else name,
+           rotation.rotation_id, calib.damp, calib.act_order, str(device))
     with _PREPARED_LOCK:
         cache: OrderedDict[tuple, PreparedHessian] = calib.calibration.__dict__.setdefault(
             "_tq_prepared", OrderedDict())
@@ -97,6 +118,8 @@ def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.devi
         if hit is not None:
             cache.move_to_end(key)
             return hit
+    if col_scale is not None:
+        h = scale_hessian(h, col_scale)
     prepared = prepare_hessian(rotate_hessian(h, rotation), damp=calib.damp,
                                act_order=calib.act_order, device=device)
     with _PREPARED_LOCK:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from tq_cli.quant.codebook import initial_codebook, nearest
+from tq_cli.quant.colscale import sinkhorn_columns, true_sq
 from tq_cli.quant.rotation import Rotation, make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec, temperature_auto
 from tq_kernels.packing import pack_codes, packed_row_bytes
@@ -35,7 +36,7 @@ FP16_MAX = 65504.0
 class QuantizedTensor:
     """A quantized weight: W ~ (dequantized codes + outliers) @ R.T.
 
-    Its stored keys, dtypes and shapes are format v1's, named in tq_cli.io.format."""
+    Its stored keys, dtypes and shapes are the format's, named in tq_cli.io.format."""
 
     shape: tuple[int, int]
     spec: QuantSpec
@@ -45,12 +46,17 @@ class QuantizedTensor:
     codebook: torch.Tensor  # float32 [2**bits], ascending
     outlier_idx: torch.Tensor  # int32 [k], row-major flat index into [out, in]
     outlier_val: torch.Tensor  # float16 [k], added to the dequantized value there
-    rel_error: float  # ||W - W_hat||^2 / ||W||^2, measured in the rotated space
+    rel_error: float  # ||W - W_hat||^2 / ||W||^2 of what is stored
+    # float16 [in]: W = W' diag(t), W' the quantized weight (tq_cli.quant.colscale); None: off
+    col_scale: torch.Tensor | None = None
 
     def nbytes(self) -> int:
-        """Bytes of codes, scales, codebook and outliers (not the rotation material)."""
-        return sum(t.numel() * t.element_size() for t in
-                   (self.codes, self.scales, self.codebook, self.outlier_idx, self.outlier_val))
+        """Bytes of codes, scales, codebook, outliers and column scales (not the rotation
+        material)."""
+        parts = [self.codes, self.scales, self.codebook, self.outlier_idx, self.outlier_val]
+        if self.col_scale is not None:
+            parts.append(self.col_scale)
+        return sum(t.numel() * t.element_size() for t in parts)
 
 
 def group_count(n: int, group_size: int) -> int:
@@ -65,12 +71,18 @@ def outlier_count(numel: int, fraction: float) -> int:
 def quantize(weight: torch.Tensor, spec: QuantSpec,
              rotation: RotationSpec | Rotation | None = None,
              device: torch.device | str | None = None) -> QuantizedTensor:
-    """Rotate `weight` [out, in] and quantize it."""
+    """Rotate `weight` [out, in] and quantize it (its columns scaled first when
+    `spec.col_scale` says so)."""
     if weight.dim() != 2:
         raise ValueError(f"quantize needs a 2-D weight, got shape {tuple(weight.shape)}")
     rot = rotation if isinstance(rotation, Rotation) else make_rotation(
         rotation or RotationSpec(kind="hadamard"), weight.shape[1], spec.group_size)
-    return quantize_rotated(rot.rotate_rows(weight.float()), spec, rot, device)
+    if spec.col_scale == "none":
+        return quantize_rotated(rot.rotate_rows(weight.float()), spec, rot, device)
+    t = sinkhorn_columns(weight)
+    w_rot = rot.rotate_rows(weight.float() / t.to(weight.device))
+    norm = float(torch.linalg.vector_norm(weight.float(), dtype=torch.float64) ** 2)
+    return with_col_scale(quantize_rotated(w_rot, spec, rot, device), w_rot, t, norm)
 
 
 def dequantize_rotated(q: QuantizedTensor) -> torch.Tensor:
@@ -82,9 +94,36 @@ def dequantize_rotated(q: QuantizedTensor) -> torch.Tensor:
     return w
 
 
+def with_col_scale(q: QuantizedTensor, w_scaled_rot: torch.Tensor, t: torch.Tensor,
+                   norm: float | None = None) -> QuantizedTensor:
+    """`q`, the fit of the column-scaled rotated weight, with t stored and its error
+    measured on the weight it stands for (tq_cli.quant.colscale); `norm`: ||W||^2 of the
+    original weight where the caller has it."""
+    err = _unrotated_sq(w_scaled_rot.float() - dequantize_rotated(q).to(w_scaled_rot.device),
+                        t, q.rotation)
+    if norm is None:
+        norm = _unrotated_sq(w_scaled_rot.float().clone(), t, q.rotation)
+    return replace(q, col_scale=t.half().cpu(), rel_error=err / norm if norm > 0 else 0.0)
+
+
+def _unrotated_sq(x: torch.Tensor, t: torch.Tensor, rotation: Rotation) -> float:
+    """||unrotate(x) diag(t)||^2 for an x [out, in] the caller gives up. A Hadamard
+    rotation's unrotate is the blockwise Walsh-Hadamard transform times the signs, which
+    the square drops: on the CPU that is tq's native in-place rotation with no signs."""
+    if (rotation.kind == "hadamard" and x.device.type == "cpu" and x.is_contiguous()
+            and native_available()):
+        from tq_kernels import fit as native
+
+        native.rotate_(x, torch.ones(x.shape[1], dtype=torch.int8), rotation.block)
+        return float(torch.linalg.vector_norm(x.mul_(t.to(x.device)), dtype=torch.float64)
+                     ** 2)
+    return true_sq(x, t, rotation)
+
+
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """W_hat in the original basis, float32 [out, in]."""
-    return q.rotation.unrotate(dequantize_rotated(q))
+    w = q.rotation.unrotate(dequantize_rotated(q))
+    return w * q.col_scale.float().to(w.device) if q.col_scale is not None else w
 
 
 class _Fit:

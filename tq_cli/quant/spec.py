@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 RotationKind = Literal["hadamard", "orthogonal", "none"]
 CodebookKind = Literal["lloyd-max", "uniform"]
+ColScaleKind = Literal["sinkhorn", "none"]
+# What a conversion uses where nobody chose (QuantSpec's own default stays "none", so a
+# spec read from an older manifest, or built in code for one tensor, means no scales).
+CONVERT_COL_SCALE: ColScaleKind = "sinkhorn"
 
 
 class _Frozen(BaseModel):
@@ -42,6 +46,13 @@ class QuantSpec(_Frozen):
         "None = hard k-means",
     )
 
+    col_scale: ColScaleKind = Field(
+        "none",
+        description="input-column scales before the rotation (SINQ's Sinkhorn "
+        "normalisation, tq_cli.quant.colscale), stored per weight; 'none' = off. A "
+        "conversion's default is 'sinkhorn' (tq_cli.conversion.spec)",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> QuantSpec:
         if self.bits not in (2, 3, 4, 8):
@@ -55,6 +66,21 @@ class QuantSpec(_Frozen):
         if self.temperature is not None and self.bits > 4:
             raise ValueError("temperature (soft codebook refinement) needs bits <= 4")
         return self
+
+
+def convert_default_col_scale(data: object) -> object:
+    """A conversion's (or seed search's) spec data with `quant.col_scale` set to
+    CONVERT_COL_SCALE where nobody chose one (a pydantic before-validator's body)."""
+    if not isinstance(data, dict):
+        return data
+    quant = data.get("quant")
+    if quant is None:
+        quant = QuantSpec(col_scale=CONVERT_COL_SCALE)
+    elif isinstance(quant, dict) and "col_scale" not in quant:
+        quant = {**quant, "col_scale": CONVERT_COL_SCALE}
+    elif isinstance(quant, QuantSpec) and "col_scale" not in quant.model_fields_set:
+        quant = QuantSpec(**{**quant.model_dump(), "col_scale": CONVERT_COL_SCALE})
+    return {**data, "quant": quant}
 
 
 # Seeds are kept to 32 bits: every generator tq draws from takes them without folding

@@ -7,7 +7,7 @@ forward(hidden_states, top_k_index, top_k_weights) that runs, for every expert a
 was routed to, down(act(gate(x)) * up(x)) weighted by the router. Checkpoints store the
 experts one by one (`experts.3.w1.weight`, `experts.3.gate_proj.weight`), and tq
 converts them one by one, so each expert's gate, up and down projection is its own
-TQLinear (format v1; experts that read the same input share one rotation, as every
+TQLinear (experts that read the same input share one rotation, as every
 tensor of the same input size and seed does). TQExperts replaces the family's experts
 module and computes the same routed MLP through those layers, expert by expert, only
 for the experts some token was routed to: no expert is ever dequantized to run it.
@@ -93,6 +93,9 @@ class TQExperts(nn.Module):
             if not 0 <= index < self.num_experts:
                 raise ValueError(f"the manifest names expert {index}, but the layer has "
                                  f"{self.num_experts}")
+            if layer.col_scale is not None:
+                raise ValueError(f"expert {index}'s {role} projection stores column scales, "
+                                 "which experts sharing one routed input cannot have")
             parent: nn.Module = self
             *parents, leaf = path.split(".")
             for part in parents:

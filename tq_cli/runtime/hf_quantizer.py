@@ -26,9 +26,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.checkpoint import check_checkpoint
 from tq_cli.io.format import (
+    ALL_SUFFIXES,
     FORMAT_VERSION,
     QUANT_METHOD,
-    SUFFIXES,
     ConvertedEntry,
     converted_entries,
 )
@@ -40,7 +40,7 @@ Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class TurboQuantConfig(QuantizationConfigMixin):
-    """config.json's `quantization_config` for quant_method "turboquant" (format v1)."""
+    """config.json's `quantization_config` for quant_method "turboquant" (format v2)."""
 
     def __init__(self, bits: int = 4, group_size: int = 128,
                  format_version: int = FORMAT_VERSION,
@@ -175,7 +175,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
 
 
 # A key that goes on with one of tq's stored suffixes (`X.weight.codes`): not the source's.
-_STORED = "(?!\\.(?:" + "|".join(SUFFIXES) + ")(?!\\w))"
+_STORED = "(?!\\.(?:" + "|".join(ALL_SUFFIXES) + ")(?!\\w))"
 
 
 def _not_stored(pattern: str) -> str:

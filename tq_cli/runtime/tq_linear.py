@@ -1,9 +1,10 @@
 """TQLinear: a linear layer that computes from packed TurboQuant weights.
 
-forward(x) = grouped_matmul(x @ R, codes, scales, codebook) + outliers + bias, dispatched
+forward(x) = grouped_matmul((x * t) @ R, codes, scales, codebook) + outliers + bias
+(t: the stored column scales, where the weight has them), dispatched
 by tq_kernels.dispatch: Triton on CUDA, one call of tq's native kernel on CPU (rotation,
 packed matmul, outliers and bias fused), the torch reference where neither is available
-or TQ_FORCE_REFERENCE is set. State-dict keys match format v1 (tq_cli.io.format): the
+or TQ_FORCE_REFERENCE is set. State-dict keys match the checkpoint format (tq_cli.io.format): the
 packed tensors live in a child module named `weight` (`X.weight.codes`, ...), one buffer
 per stored suffix, and the rotation material in a shared `model.tq.rotation[<id>]` module
 that layers only reference.
@@ -30,6 +31,7 @@ class PackedWeight(nn.Module):
     codebook: torch.Tensor
     outlier_idx: torch.Tensor
     outlier_val: torch.Tensor
+    col_scale: torch.Tensor  # only where the weight stores column scales
 
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         super().__init__()
@@ -60,7 +62,7 @@ class RotationMaterial(nn.Module):
 
 
 class TQLinear(nn.Module):
-    """y = x W^T + b with W stored as TurboQuant codes (format v1)."""
+    """y = x W^T + b with W stored as TurboQuant codes (format v2)."""
 
     tq_rotation_id: str | None = None  # the shared rotation material's id, set on loading
 
@@ -87,6 +89,11 @@ class TQLinear(nn.Module):
         self.__dict__["rotation"] = rotation
 
     @property
+    def col_scale(self) -> torch.Tensor | None:
+        """The stored column scales t [in], or None."""
+        return getattr(self.weight, "col_scale", None)
+
+    @property
     def backend(self) -> str:
         """'triton', 'cpu-avx512', 'cpu-avx2', 'cpu-scalar' or 'torch' (the reference)."""
         return dispatch.backend_for(self.weight.codes.device, self.bits, self.group_size)
@@ -98,6 +105,9 @@ class TQLinear(nn.Module):
             warnings.warn("tq: Triton is unavailable, TQLinear runs the torch reference on "
                           "CUDA (much slower than expected)", RuntimeWarning, stacklevel=2)
         w, rot = self.weight, self.rotation
+        t = self.col_scale
+        if t is not None:  # W = W' diag(t): x W^T = (x t) W'^T (tq_cli.quant.colscale)
+            x = x * t.to(x.dtype)
         return dispatch.linear(x, rot.material() if rot is not None else None,
                                rot.block if rot is not None else 0, w.codes, w.scales,
                                w.codebook, w.outlier_idx, w.outlier_val, self.bias,
@@ -112,11 +122,13 @@ class TQLinear(nn.Module):
         if w.outlier_idx.numel():
             rot_space.view(-1).index_add_(0, w.outlier_idx.long(), w.outlier_val.float())
         if self.rotation is None:
-            return rot_space
-        # W = W_rot R^T: rotate the rows of I to get R, then multiply.
-        eye = torch.eye(self.in_features, device=rot_space.device)
-        r = self.rotation.rotate(eye).float()
-        return rot_space @ r.T
+            w_full = rot_space
+        else:
+            # W = W_rot R^T: rotate the rows of I to get R, then multiply.
+            eye = torch.eye(self.in_features, device=rot_space.device)
+            w_full = rot_space @ self.rotation.rotate(eye).float().T
+        t = self.col_scale
+        return w_full * t.float() if t is not None else w_full
 
     def memory_bytes(self) -> int:
         """Bytes of this layer's own buffers (packed weight and bias; rotation is shared)."""

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tq_cli.device import Device, resolve_device
 from tq_cli.errors import SeedSearchError
@@ -42,9 +42,10 @@ from tq_cli.io.seeds import SEEDS_FORMAT
 from tq_cli.planning.plan import TensorPlan
 from tq_cli.planning.prepare import plan_source
 from tq_cli.quant.choose import CalibOptions, quantize_tensor
-from tq_cli.quant.grouped import dequantize_rotated, quantize_rotated
+from tq_cli.quant.colscale import scale_hessian, sinkhorn_columns
+from tq_cli.quant.grouped import dequantize_rotated, quantize_rotated, with_col_scale
 from tq_cli.quant.rotation import Rotation, make_rotation
-from tq_cli.quant.spec import QuantSpec, RotationSpec
+from tq_cli.quant.spec import QuantSpec, RotationSpec, convert_default_col_scale
 from tq_cli.seedsearch.distributed import Comm
 from tq_cli.version import __version__
 
@@ -66,6 +67,13 @@ class SearchSpec(BaseModel):
     recipe: str | None = None
     finalists: int | None = Field(4, ge=1, description="None: score every seed exactly")
     device: Device = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_col_scale(cls, data: Any) -> Any:
+        """Seeds are searched for the weights a conversion stores: column scales on unless
+        the quant spec says otherwise."""
+        return convert_default_col_scale(data)
 
 
 ProgressFn = Callable[[str, int, int], None]  # (what, done, total)
@@ -166,6 +174,10 @@ class _Scorer:
         self.screen_quant = self.quant.model_copy(update=SCREEN)
         has_h = calib is not None and calib.calibration.hessian(tp.info.name) is not None
         self.calib = calib if has_h else None  # no H for this tensor: scored by mse
+        # Column scales do not depend on the seed: W / t is what every seed rotates.
+        self.t = sinkhorn_columns(w) if self.quant.col_scale != "none" else None
+        self.w_scaled = w / self.t if self.t is not None else w
+        self.norm = float(torch.linalg.vector_norm(w.float(), dtype=torch.float64) ** 2)
 
     def rotation(self, seed: int) -> Rotation:
         assert self.tp.rotation is not None
@@ -174,18 +186,22 @@ class _Scorer:
 
     def score(self, seed: int, stage: str) -> float:
         rot = self.rotation(seed)
-        w_rot = rot.rotate_rows(self.w)
+        w_rot = rot.rotate_rows(self.w_scaled)
         if stage == "exact":  # exactly what convert (--calib) runs for this tensor
             res = quantize_tensor(self.tp.info.name, w_rot, self.quant, rot, self.device,
-                                  self.calib)
+                                  self.calib, self.t, self.norm)
             return float(res.record.get("weighted_rel_error", res.q.rel_error))
         q = quantize_rotated(w_rot, self.screen_quant, rot, self.device)
         if self.calib is None:
-            return q.rel_error
+            if self.t is None:
+                return q.rel_error
+            return with_col_scale(q, w_rot, self.t, self.norm).rel_error
         from tq_cli.quant.gptq import relative_weighted_error, rotate_hessian
 
         h = self.calib.calibration.hessian(self.tp.info.name)
         assert h is not None
+        if self.t is not None:  # x' = x t: H' = diag(t) H diag(t)
+            h = scale_hessian(h, self.t)
         return relative_weighted_error(w_rot, dequantize_rotated(q), rotate_hessian(h, rot))
 
 

@@ -48,9 +48,10 @@ import tq_cli.vllm_plugin.split as split
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.checkpoint import check_checkpoint
 from tq_cli.io.format import (
+    ALL_SUFFIXES,
+    COL_SCALE,
     QUANT_METHOD,
     ROTATION_PREFIX,
-    SUFFIXES,
     converted_entries,
     stored_key,
 )
@@ -137,7 +138,8 @@ class TQConfig(QuantizationConfig):
             e.name.removesuffix(".weight"): LayerInfo(
                 bits=e.spec.bits, group_size=e.spec.group_size, out_features=e.shape[0],
                 in_features=e.shape[1], rotation=e.rotation_id, block=e.block,
-                expert=(e.expert.index, e.expert.role) if e.expert is not None else None)
+                expert=(e.expert.index, e.expert.role) if e.expert is not None else None,
+                col_scale=e.spec.col_scale != "none")
             for e in converted_entries(manifest)}
         self.rotations = {
             rid: RotationInfo(info["kind"], info["n"], info["block"],
@@ -164,7 +166,7 @@ class TQConfig(QuantizationConfig):
             orig_to_new_regex=drop,
             orig_to_new_prefix={ROTATION_PREFIX: None},
             # X.weight.codes -> X.tq_codes, and so on for every stored suffix
-            orig_to_new_suffix={stored_key(".weight", s): f".tq_{s}" for s in SUFFIXES})
+            orig_to_new_suffix={stored_key(".weight", s): f".tq_{s}" for s in ALL_SUFFIXES})
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
         if not isinstance(layer, LinearBase):
@@ -238,14 +240,15 @@ class TQLinearMethod(LinearMethodBase):
                        params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
         infos = [self.config.tensors[n] for n in self.names]
         first = infos[0]
-        if any((i.bits, i.group_size, i.rotation) != (first.bits, first.group_size,
-                                                      first.rotation) for i in infos):
+        if any((i.bits, i.group_size, i.rotation, i.col_scale)
+               != (first.bits, first.group_size, first.rotation, first.col_scale)
+               for i in infos):
             specs = "; ".join(f"{n.rsplit('.', 1)[-1]}: {i.spec()}"
                               for n, i in zip(self.names, infos, strict=True))
             raise UnsupportedError(
                 f"tq: cannot load {self.prefix}: vLLM merges its parts into one layer, but "
                 f"they were converted with different specs ({specs}); convert them with "
-                "the same bits, group size and rotation")
+                "the same bits, group size, rotation and column scaling")
         if len(output_partition_sizes) != len(infos) or input_size != first.in_features:
             raise UnsupportedError(
                 f"tq: {self.prefix}: vLLM builds it as {len(output_partition_sizes)} part(s) "
@@ -277,6 +280,8 @@ class TQLinearMethod(LinearMethodBase):
             "outlier_idx": ((0,), torch.int32),
             "outlier_val": ((0,), torch.float16),
         }
+        if first.col_scale:  # one row of t per part, this rank's input columns
+            shapes[COL_SCALE] = ((len(parts), n_local), torch.float16)
         for name, (shape, dtype) in shapes.items():
             param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             layer.register_parameter(f"tq_{name}", param)
@@ -342,6 +347,9 @@ def _load(layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor
     if name == "codebook":
         param.data[p].copy_(loaded)
         return
+    if name == COL_SCALE:
+        param.data[p].copy_(loaded[part.cols[0]:part.cols[1]])
+        return
     if name == "codes":
         t = split.slice_codes(loaded, info.bits, info.in_features, part.rows, part.cols)
     else:
@@ -363,15 +371,22 @@ def _tq_linear(x: torch.Tensor, key: str, out_features: int,
     codebook = layer.get_parameter("tq_codebook")
     oidx, oval = layer.get_parameter("tq_outlier_idx"), layer.get_parameter("tq_outlier_val")
     kw = {"bits": st.bits, "group_size": st.group_size, "in_features": st.n_local}
+    # Column scales (tq_cli.quant.colscale): each part's own t scales x before its rotation.
+    t = layer._parameters.get("tq_col_scale")
     if len(st.parts) == 1:  # one call: on CPU the native kernel also rotates (Hadamard)
-        return dispatch.linear(x, st.rotation, st.block, codes, scales, codebook[0], oidx, oval,
-                               bias, out_features=out_features, **kw)
-    x_rot = dispatch.rotate(x, st.rotation, st.block) if st.rotation is not None else x
+        xin = x * t[0].to(x.dtype) if t is not None else x
+        return dispatch.linear(xin, st.rotation, st.block, codes, scales, codebook[0], oidx,
+                               oval, bias, out_features=out_features, **kw)
+    x_rot = (dispatch.rotate(x, st.rotation, st.block)
+             if t is None and st.rotation is not None else x)
     ys = []
     for p, part in enumerate(st.parts):
         o0, o1 = part.offset, part.offset + part.rows[1] - part.rows[0]
         k0, k1 = st.outlier_starts[p], st.outlier_starts[p + 1]
-        ys.append(dispatch.linear(x_rot, None, 0, codes[o0:o1], scales[o0:o1], codebook[p],
+        xp, rot, block = x_rot, None, 0
+        if t is not None:
+            xp, rot, block = x * t[p].to(x.dtype), st.rotation, st.block
+        ys.append(dispatch.linear(xp, rot, block, codes[o0:o1], scales[o0:o1], codebook[p],
                                   oidx[k0:k1], oval[k0:k1], None, out_features=o1 - o0, **kw))
     y = torch.cat(ys, dim=-1)
     return y + bias.to(y.dtype) if bias is not None else y

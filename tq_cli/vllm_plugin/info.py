@@ -26,10 +26,11 @@ class LayerInfo:
     rotation: str | None  # the rotation id, None for "none"
     block: int
     expert: tuple[int, str] | None = None  # (index, role) of one expert of a MoE layer
+    col_scale: bool = False  # x is scaled by the stored t before rotation
 
     def spec(self) -> str:
         return (f"{self.bits} bits, group {self.group_size}, rotation "
-                f"{self.rotation or 'none'}")
+                f"{self.rotation or 'none'}{', column scales' if self.col_scale else ''}")
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,10 @@ def _roles(config: Any, prefix: str, count: int) -> list[dict[str, LayerInfo]]:
             index, role = info.expert
             if index < count:
                 found[index][role] = info
+    scaled = [i for i, roles in enumerate(found) if any(r.col_scale for r in roles.values())]
+    if scaled:
+        raise UnsupportedError(f"tq: {prefix}: expert {scaled[0]} stores column scales, which "
+                               "experts sharing one routed input cannot have; reconvert it")
     missing = [i for i, roles in enumerate(found) if set(roles) != set(SHARDS.values())]
     if missing:
         raise UnsupportedError(f"tq: {prefix}: experts {missing[:5]} have no converted gate, "

@@ -74,7 +74,7 @@ def slice_outliers(idx: torch.Tensor, val: torch.Tensor, in_features: int,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outliers inside rows x cols, re-indexed into the [r1 - r0, c1 - c0] slice.
 
-    Row-major order is kept, so the indices stay ascending as format v1 requires.
+    Row-major order is kept, so the indices stay ascending as the format requires.
     """
     i = idx.long()
     r, c = i // in_features, i % in_features
