@@ -2,7 +2,7 @@
 
 Usage: python scripts/bench_convert.py [SOURCE | --synthetic NAME [--layers N]]
            [--bits 4] [--device cpu|cuda|auto] [--calib FILE | --fast |
-           --synthetic-calib N] [--json FILE]
+           --synthetic-calib N] [--col-scale sinkhorn|none] [--json FILE]
 
 SOURCE defaults to the SmolLM2-135M folder built from its PyPI wheel; `--synthetic
 llama-3.2-1b` (or `quick`, tq bench's model) writes a random bf16 Llama of those shapes
@@ -39,6 +39,8 @@ def main() -> int:
     ap.add_argument("--fast", action="store_true", help="time `tq convert --fast` (the "
                     "weight-only fit) instead of the default self-calibrated conversion")
     ap.add_argument("--synthetic-calib", type=int, help="self-calibration tokens")
+    ap.add_argument("--col-scale", choices=["sinkhorn", "none"],
+                    help="column scales (default: tq convert's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.source:
@@ -60,6 +62,8 @@ def main() -> int:
         extra += ("--fast",)
     if args.synthetic_calib is not None:
         extra += ("--synthetic-calib", str(args.synthetic_calib))
+    if args.col_scale is not None:
+        extra += ("--col-scale", args.col_scale)
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         c1 = copy_seconds(src, scratch / "copy")
@@ -72,6 +76,7 @@ def main() -> int:
     conv = summary["seconds"]
     row = {"source": str(src), "bits": args.bits, "device": device.type,
            "fit": "--fast" if args.fast else ("--calib" if args.calib else "default"),
+           "col_scale": args.col_scale or "default",
            "calibrated_tensors": summary.get("calibrated_tensors"),
            "source_bytes": summary["source_bytes"],
            "convert_s": round(conv, 2), "load_save_s": round(copy, 2),
