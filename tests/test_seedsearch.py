@@ -41,6 +41,9 @@ def test_parse_seeds() -> None:
     ("-3", "seed -3 is negative"),
     ("", "it is empty"),
     ("0..10:x", "step 'x' is not a whole number"),
+    # the limit is on all items together (each of these alone is within it)
+    ("0..99999,100000", "more than 100000 seeds"),
+    ("0..59999,60000..119999", "more than 100000 seeds"),
 ])
 def test_bad_seed_ranges(text: str, why: str) -> None:
     with pytest.raises(SeedRangeError) as e:

@@ -16,7 +16,13 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     CUDA device is an error that says what to pass instead."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise UnsupportedError(f"device {device!r} is not one tq runs on; use cpu, cuda "
+                               "(or cuda:N) or auto")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError("device 'cuda' was asked for, but no CUDA device is "
                                "available; use device cpu or auto")

@@ -1,4 +1,4 @@
-"""`load()`: a format-v1 folder (or hub id) in, a runnable transformers model out.
+"""`load()`: a tq checkpoint folder (or hub id) in, a runnable transformers model out.
 
 Checks before building anything: it is a tq checkpoint, its format version is one this
 tq reads, every shard matches its manifest checksum, and every stored rotation matches
@@ -27,6 +27,7 @@ from tq_cli.runtime.tq_linear import TQLinear
 from tq_kernels import cpu as cpu_kernel
 
 log = logging.getLogger("tq")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | None = None,
@@ -40,6 +41,11 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
     `kv_window` recent tokens in full precision) unless it is passed a cache.
     """
     dev = resolve_device(device)
+    if dtype is not None and dtype not in DTYPES:
+        raise TqError(f"dtype {dtype!r} is not one tq runs models in; use "
+                      f"{', '.join(str(d) for d in DTYPES)} (or None for the default)")
+    if not isinstance(verify_checksums, bool):
+        raise TqError(f"verify_checksums must be True or False, got {verify_checksums!r}")
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     kv_spec = None
     if kv_bits is not None:  # checked before any loading

@@ -37,6 +37,7 @@ def parse_seeds(text: str) -> list[int]:
             raise SeedRangeError(f"bad seed range '{text}': an empty item between commas; {HOW}")
         if ".." not in part:
             seeds.add(_int(part, text, "seed"))
+            _check_count(seeds, text)
             continue
         span, _, step_text = part.partition(":")
         start_text, _, end_text = span.partition("..")
@@ -51,4 +52,11 @@ def parse_seeds(text: str) -> list[int]:
         if (end - start) // step + 1 + len(seeds) > MAX_SEEDS:
             raise SeedRangeError(f"bad seed range '{text}': more than {MAX_SEEDS} seeds; {HOW}")
         seeds.update(range(start, end + 1, step))
+        _check_count(seeds, text)
     return sorted(seeds)
+
+
+def _check_count(seeds: set[int], text: str) -> None:
+    """The limit holds for all the items together, not for each range alone."""
+    if len(seeds) > MAX_SEEDS:
+        raise SeedRangeError(f"bad seed range '{text}': more than {MAX_SEEDS} seeds; {HOW}")
