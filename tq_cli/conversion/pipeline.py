@@ -12,6 +12,7 @@ torch (and tq's native fit) release the GIL in their kernels, so threads overlap
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tq_cli.errors import NonFiniteError
+from tq_cli.errors import NonFiniteError, UnsupportedError
 from tq_cli.io.format import CONVERTED, stored_tensors
 from tq_cli.io.safetensors_reader import read_tensor, tensor_sha256
 from tq_cli.io.writer import ShardWriter
@@ -65,6 +66,11 @@ class _Rotated:
     # yet and w_rot is W itself (the quantize workers scale and rotate it, in parallel)
     col_scale: torch.Tensor | None = None
 
+
+# A quantized copy that lost more than half of the weight's energy stands for nothing (a
+# normal 2-bit fit loses about 12%): refused by name rather than written.
+MAX_REL_ERROR = 0.5
+TINY_RMS = 1e-5  # weights this small are at fp16 scales' resolution
 
 _UNSCALED = torch.empty(0)  # _Rotated.col_scale of a weight not yet scaled nor rotated
 
@@ -233,6 +239,16 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             item.w_rot = rotate_owned(item.w_rot.div_(item.col_scale), item.rotation)
         res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device, calib,
                               item.col_scale, norm)
+        if res.q.rel_error > MAX_REL_ERROR:
+            rms = math.sqrt((norm if norm is not None else
+                             float(torch.linalg.vector_norm(item.w_rot, dtype=torch.float64)
+                                   ** 2)) / max(1, item.w_rot.numel()))
+            tiny = (f"; its values (RMS {rms:.2g}) are below what fp16 group scales resolve"
+                    if rms < TINY_RMS else "")
+            raise UnsupportedError(
+                f"{item.plan.info.file.name}: tensor '{name}' cannot be stored: its quantized "
+                f"copy has relative error {res.q.rel_error:.2f}{tiny}; keep it in full "
+                "precision with a keep rule (--recipe), or rescale the source")
         if res.fallback and item.plan.expert is not None and res.fallback.startswith(
                 "an expert routed"):
             thin.append(name)  # said once at the end: a MoE has hundreds of experts

@@ -76,12 +76,18 @@ class Checkpoint:
 
 # Folders already checked in this process, with the file stats they were checked at, so
 # tq_cli.load and the from_pretrained it calls verify a folder once, and again if it changes.
-_VERIFIED: dict[Path, tuple[tuple[str, int, int], ...]] = {}
+# The stats include the inode and the change time (ctime): a file edited in place and given
+# back its old modification time (os.utime) still has a new ctime, which no call can set.
+_VERIFIED: dict[Path, tuple[tuple[str, int, int, int, int], ...]] = {}
 
 
-def _stats(folder: Path) -> tuple[tuple[str, int, int], ...]:
-    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns)
-                 for p in sorted(folder.iterdir()) if p.is_file())
+def _stats(folder: Path) -> tuple[tuple[str, int, int, int, int], ...]:
+    out = []
+    for p in sorted(folder.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            out.append((p.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+    return tuple(out)
 
 
 def check_checkpoint(folder: Path, verify_checksums: bool = True) -> Checkpoint:

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,6 +79,21 @@ class SourceModel:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def read_header(path: Path) -> tuple[dict, int, bytes]:
     """Parse and check one safetensors header: (entries, data start offset, raw header)."""
     name = path.name
@@ -97,9 +113,14 @@ def read_header(path: Path) -> tuple[dict, int, bytes]:
     except OSError as e:
         raise SourceError(f"{name}: cannot read ({e.strerror})") from e
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
         if not isinstance(header, dict):
             raise ValueError
+    except _DuplicateKey as e:
+        # the safetensors library refuses such a file; tq would otherwise use the last one
+        raise CorruptFileError(f"{name}: the header names tensor '{e.key}' twice; the file "
+                               "is damaged or was not written by safetensors, re-export it") \
+            from None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptFileError(f"{name}: header is not valid JSON; re-download the file") from e
     data_start = 8 + hlen

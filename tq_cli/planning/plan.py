@@ -124,6 +124,12 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
         raise UnsupportedError(
             f"{source.folder}: no config.json with a model_type; a tq checkpoint is loaded "
             "from its config, so add the model's config.json to the folder")
+    if not isinstance(source.config["model_type"], str):
+        raise UnsupportedError(
+            f"{source.folder / 'config.json'}: model_type is "
+            f"{type(source.config['model_type']).__name__} "
+            f"{source.config['model_type']!r}, not a name; transformers could not load the "
+            "checkpoint, so fix config.json (e.g. \"model_type\": \"llama\")")
     tensors: list[TensorPlan] = []
     rotations: dict[str, RotationPlan] = {}
     users: dict[str, int] = {}
