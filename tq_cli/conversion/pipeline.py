@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,6 +31,7 @@ from tq_cli.quant.colscale import sinkhorn_columns
 from tq_cli.quant.grouped import (
     FP16_MAX,
     QuantizedTensor,
+    dequantize,
     native_available,
     rotate_owned,
     scan_values,
@@ -65,6 +66,9 @@ class _Rotated:
     # t, when the spec scales columns: w_rot is then W/t R; _UNSCALED: t is not computed
     # yet and w_rot is W itself (the quantize workers scale and rotate it, in parallel)
     col_scale: torch.Tensor | None = None
+    # With --allow-nonfinite, the values as read where some were clamped (NaN/Inf as 0):
+    # the reported error is against these, not against the clamped copy that was fitted.
+    original: torch.Tensor | None = None
 
 
 # A quantized copy that lost more than half of the weight's energy stands for nothing (a
@@ -213,16 +217,20 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
                     f"what fp16 scales can hold (up to {peak:.3g}, limit {FP16_MAX:g}); fix the "
                     "source, keep the tensor with a keep rule, or pass --allow-nonfinite to "
                     "clamp them")
+            original = w.clone()
             w = w.clamp(-FP16_MAX, FP16_MAX)
             nonfinite += huge
             if log:
                 log(f"tensor '{tp.info.name}': {huge} values beyond ±{FP16_MAX:g} clamped")
         rot = (rotations[tp.rotation_id] if tp.rotation_id
                else Rotation("none", w.shape[1], tp.block, 0))
+        item_original = original if huge else None
         if tp.quant is not None and tp.quant.col_scale != "none":
             # scaled and rotated by the quantize workers, which run in parallel
-            return _Rotated(tp, w, rot, nonfinite, item.source_sha256, _UNSCALED)
-        return _Rotated(tp, rotate_owned(w, rot), rot, nonfinite, item.source_sha256)
+            return _Rotated(tp, w, rot, nonfinite, item.source_sha256, _UNSCALED,
+                            item_original)
+        return _Rotated(tp, rotate_owned(w, rot), rot, nonfinite, item.source_sha256,
+                        original=item_original)
 
     thin: list[str] = []  # experts routed too few tokens to fit with their Hessian
 
@@ -239,7 +247,12 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             item.w_rot = rotate_owned(item.w_rot.div_(item.col_scale), item.rotation)
         res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device, calib,
                               item.col_scale, norm)
-        if res.q.rel_error > MAX_REL_ERROR:
+        if item.original is not None:  # the error of what is stored against what was read
+            w0 = item.original
+            err = float(torch.linalg.vector_norm(w0 - dequantize(res.q), dtype=torch.float64))
+            norm0 = float(torch.linalg.vector_norm(w0, dtype=torch.float64))
+            res = replace(res, q=replace(res.q, rel_error=(err / norm0) ** 2 if norm0 else 0.0))
+        if res.q.rel_error > MAX_REL_ERROR and item.original is None:
             rms = math.sqrt((norm if norm is not None else
                              float(torch.linalg.vector_norm(item.w_rot, dtype=torch.float64)
                                    ** 2)) / max(1, item.w_rot.numel()))
