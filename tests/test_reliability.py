@@ -87,3 +87,32 @@ def test_a_shard_edited_in_place_with_its_mtime_kept_is_caught(tiny_llama: Path,
     with pytest.raises(CorruptFileError, match="checksum"):
         tq_cli.load(out)
     shutil.rmtree(out)
+
+
+def test_a_symlink_loop_or_dangling_link_as_source_is_named(tmp_path: Path) -> None:
+    """A loop used to be reported as "cannot reach the Hugging Face hub"."""
+    from tq_cli.errors import SourceError
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(SourceError) as e:
+        convert(tmp_path / "a", tmp_path / "out", ConvertSpec(fast=True))
+    assert str(e.value) == (f"{tmp_path / 'a'}: is a symbolic link loop; pass the model "
+                            "folder itself")
+    with pytest.raises(SourceError) as e:
+        convert(tmp_path / "gone", tmp_path / "out", ConvertSpec(fast=True))
+    assert str(e.value) == (f"{tmp_path / 'gone'}: is a dangling symbolic link; pass the "
+                            "model folder itself")
+
+
+@pytest.mark.parametrize("below", ["out", "x/y/out"])
+def test_an_out_below_a_file_is_named(small_folder: Path, tmp_path: Path, below: str) -> None:
+    """It used to say "File exists; free space or fix permissions"."""
+    (tmp_path / "afile").write_text("not a folder")
+    out = tmp_path / "afile" / below
+    with pytest.raises(TqError) as e:
+        convert(small_folder, out, ConvertSpec(fast=True))
+    assert str(e.value) == (f"{out}: {tmp_path / 'afile'} is a file, not a folder; choose "
+                            "another OUT")
+    assert (tmp_path / "afile").read_text() == "not a folder"

@@ -81,7 +81,17 @@ def output_lock(out: Path) -> Iterator[None]:
     """Hold an OS lock on OUT for a whole conversion, so a second `tq convert` into the
     same OUT stops at once instead of mixing its shards with ours. The lock is a file
     beside OUT (`.OUT.tq-lock`), released by the OS if the process dies."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    for parent in out.absolute().parents:  # the nearest one that exists must be a folder
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutputError(f"{out}: {parent} is a file, not a folder; choose another "
+                                  "OUT")
+            break
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{out.parent}: cannot create the folder for OUT ({e.strerror}); "
+                          "choose another OUT") from e
     path = out.parent / f".{out.name}.tq-lock"
     while True:
         try:

@@ -6,6 +6,7 @@ and the local cache; only safetensors weights and small metadata files are fetch
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -19,6 +20,17 @@ HUB_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.
 def resolve_source(source: str | os.PathLike[str], revision: str | None = None) -> Path:
     """A local folder path for SOURCE, downloading (or reading the cache) for hub ids."""
     path = Path(source)
+    if path.is_symlink() and not path.exists():
+        # a dangling link or a loop (a -> b -> a): local, whatever the name looks like
+        try:
+            path.resolve(strict=True)
+            why = "a dangling symbolic link"
+        except RuntimeError:
+            why = "a symbolic link loop"
+        except OSError as e:
+            why = ("a symbolic link loop" if e.errno == errno.ELOOP
+                   else "a dangling symbolic link")
+        raise SourceError(f"{path}: is {why}; pass the model folder itself")
     if path.exists():
         if not path.is_dir():
             raise SourceError(f"{path}: is a file, not a model folder; pass the folder")
