@@ -43,9 +43,10 @@ def sinkhorn_columns(w: torch.Tensor, iters: int = SINKHORN_ITERS) -> torch.Tens
         raise ValueError(f"column scales need a 2-D weight, got shape {tuple(w.shape)}")
     out, n = w.shape
     a = w.detach().to(torch.float32)
+    ones = torch.ones(n, dtype=torch.float32)
+    if out < 2 or n < 2 or not bool(a.abs().amax() > 0):
+        return ones  # no spread to normalise (one row or column, or all zeros)
     a2 = a * a
-    r = torch.ones(out, dtype=torch.float64, device=w.device)
-    c = torch.ones(n, dtype=torch.float64, device=w.device)
 
     def row_std(c: torch.Tensor) -> torch.Tensor:  # std over j of W_ij / c_j
         inv = (1.0 / c).float()
@@ -59,13 +60,20 @@ def sinkhorn_columns(w: torch.Tensor, iters: int = SINKHORN_ITERS) -> torch.Tens
         m2 = ((inv * inv) @ a2).double() / out
         return (m2 - m1 * m1).clamp_min(0).sqrt()
 
+    def floored(x: torch.Tensor) -> torch.Tensor:
+        # A zero row or column (std 0) is floored a million times below the largest, so
+        # 1/c stays finite in float32 through the next products.
+        return x.clamp_min(max(float(x.max()) * 1e-6, 1e-30))
+
+    c = torch.ones(n, dtype=torch.float64, device=w.device)
     best, best_c = float("inf"), c.clone()
     rs = row_std(c)
     for _ in range(iters):
-        r = rs.clamp_min(1e-20)  # x's rows have std rs * r_old / r_old: divide by it
-        c = c * (col_std(r) / c).clamp_min(1e-20)
+        r = floored(rs)  # x's rows have std rs / r = 1 after this division
+        c = floored(col_std(r))
         rs = row_std(c)  # rows of the new x, times r: its row stds are rs / r
-        # the new x's columns have std 1: the imbalance is over its rows and 1
+        # the new x's columns have std 1 (0 for a zero column): the imbalance is over its
+        # rows and 1
         x_rows = rs / r
         imbalance = float(torch.maximum(x_rows.max(), torch.ones((), dtype=torch.float64))
                           / torch.minimum(x_rows.min(), torch.ones((), dtype=torch.float64))
@@ -75,6 +83,8 @@ def sinkhorn_columns(w: torch.Tensor, iters: int = SINKHORN_ITERS) -> torch.Tens
             best, best_c = imbalance, c.clone()
             if converged:  # on SmolLM2's layers t no longer moves after 5-6 steps
                 break
+    if not bool(torch.isfinite(best_c).all()):
+        return ones
     # Centred on 1 (the geometric mean), so W' keeps W's magnitude; no column of W' may
     # pass what fp16 group scales hold (a lone large entry in a quiet column); fp16-exact.
     t = (best_c.log() - best_c.log().mean()).exp().float()
