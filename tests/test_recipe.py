@@ -61,3 +61,19 @@ def test_rule_overrides_apply_on_top_of_cli_spec(tmp_path: Path) -> None:
     base = QuantSpec(bits=3, group_size=64)
     assert r.rule_for("a.down_proj.weight").apply(base).bits == 8  # type: ignore[union-attr]
     assert r.rule_for("a.up_proj.weight").apply(base) == base  # type: ignore[union-attr]
+
+
+def test_a_rule_of_a_users_recipe_that_matches_nothing_is_said(small_folder: Path,
+                                                               tmp_path: Path) -> None:
+    from tq_cli.conversion.converter import ConvertSpec, convert
+
+    p = tmp_path / "mine.toml"
+    p.write_text('name = "mine"\n[[rules]]\npattern = "*.up_proj.weight"\n'
+                 '[[rules]]\npattern = "*.up_porj.weight"\nbits = 3\n')
+    said: list[str] = []
+    r = convert(small_folder, tmp_path / "out", ConvertSpec(recipe=str(p), fast=True),
+                log=said.append)
+    assert r.tensors_converted == 1
+    assert ("recipe 'mine': rule '*.up_porj.weight' matches no tensor of this model; check "
+            "its pattern") in said
+    assert not any("'*.up_proj.weight'" in s for s in said)

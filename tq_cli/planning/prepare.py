@@ -84,6 +84,13 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
                             max_shard_bytes)
     _say_kept(planned, {t.info.name: t.note for t in plan.tensors
                         if t.action == "keep" and t.note is not None})
+    if recipe is not None and recipe not in builtin_recipes():
+        # a user's recipe: a rule that matches nothing is most likely a typo in its pattern
+        # (the built-in ones carry rules for several families at once)
+        for rule in resolved.rules:
+            if not any(rule.matches(name) for name in model.tensors):
+                planned.notes.append(f"recipe '{resolved.name}': rule '{rule.pattern}' "
+                                     "matches no tensor of this model; check its pattern")
     if check:
         t0 = time.perf_counter()
         _place(planned, builtin=recipe is None or recipe in builtin_recipes(), vision=vision)
