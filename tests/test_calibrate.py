@@ -284,6 +284,26 @@ def test_damaged_and_foreign_files(tiny_llama: Path, tmp_path: Path,
         read_calibration(tmp_path / "missing.calib")
 
 
+def test_each_group_is_checked_against_its_digest(tmp_path: Path,
+                                                  calibrated: tuple[Path, CalibResult]) -> None:
+    """A flipped byte inside a Hessian (the header intact) used to be read as data."""
+    out, _ = calibrated
+    calib = read_calibration(out)
+    assert set(calib.meta["digests"]) == set(calib.meta["tensors"].values())
+    name, key = next(iter(calib.meta["tensors"].items()))
+    assert calib.hessian(name) is not None  # an intact file reads
+    damaged = tmp_path / "damaged.calib"
+    data = bytearray(out.read_bytes())
+    entry = calib.entries[f"hessian.{key}"]
+    data[entry.offset + 100] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    bad = read_calibration(damaged)  # the header is fine: it opens
+    with pytest.raises(CorruptFileError) as e:
+        bad.hessian(name)
+    assert str(e.value) == (f"{damaged}: the statistics of '{name}' (group '{key}') do not "
+                            "match their digest; the file is damaged, rerun tq calibrate")
+
+
 def test_cli_json_and_errors(tiny_llama: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     out = tmp_path / "c.calib"

@@ -5,13 +5,17 @@ ONE plain safetensors file. Per group of converted tensors that read the same in
 `tokens.<group>` I64 [] the token count (sum = mean * count). The safetensors
 `__metadata__` key `tq_calibration` holds JSON: format version, tq version, the source
 model's fingerprint and name, the text's source and sha256, samples, seqlen, tokens,
-the recipe, and `tensors` (tensor name -> group key). The layout is fixed before any
-compute, groups are written at their offsets as they finish, and the file appears
-under its name only when complete (temporary file + rename in the same folder).
+the recipe, `tensors` (tensor name -> group key) and `digests` (group key -> sha256 of
+its hessian bytes then its tokens bytes, checked when the group is read; files without it
+are read unchecked). The layout is fixed before any compute, groups are written at their
+offsets as they finish, the digests go into the header last (same length as the
+placeholders it was laid out with), and the file appears under its name only when
+complete (temporary file + rename in the same folder).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -64,8 +68,20 @@ class Calibration:
             return None
         if key not in self._cache:
             self._cache.clear()  # q, k, v ask in a row: keep only the last group
-            self._cache[key] = read_tensor(self.entries[f"hessian.{key}"]).to(torch.float64)
+            h = read_tensor(self.entries[f"hessian.{key}"])
+            self._check(key, tensor_name, h)
+            self._cache[key] = h.to(torch.float64)
         return self._cache[key].clone()
+
+    def _check(self, key: str, tensor_name: str, h: torch.Tensor) -> None:
+        want = (self.meta.get("digests") or {}).get(key)
+        if want is None:
+            return  # a file from before digests
+        got = _digest(h, int(read_tensor(self.entries[f"tokens.{key}"])))
+        if got != want:
+            raise CorruptFileError(f"{self.path}: the statistics of '{tensor_name}' (group "
+                                   f"'{key}') do not match their digest; the file is "
+                                   "damaged, rerun tq calibrate")
 
     def group(self, tensor_name: str) -> str | None:
         """The key of the tensor's input group (shared by tensors that read one input)."""
@@ -169,20 +185,33 @@ def check_out(out: Path, source: SourceModel) -> None:
                               "choose another path") from None
 
 
+def _digest(h: torch.Tensor, tokens: int) -> str:
+    """sha256 of a group's stored bytes: its float32 mean, then its int64 token count."""
+    d = hashlib.sha256(tensor_bytes(h.float().contiguous()))
+    d.update(tokens.to_bytes(8, "little", signed=True))
+    return d.hexdigest()
+
+
 class CalibrationWriter:
     """Lays the file out up front, writes groups as they finish, renames it into place."""
 
     def __init__(self, out: Path, groups: dict[str, int], meta: dict[str, Any]) -> None:
         self.out = out
         self.tmp = out.parent / f".{out.name}.tq-partial"
-        self.layout = plan_layout(
-            [[(f"hessian.{k}", "F32", (n, n)), (f"tokens.{k}", "I64", ())]
-             for k, n in groups.items()], 1 << 62,
-            metadata={META_KEY: json.dumps({**meta, "format_version": FORMAT_VERSION},
-                                           sort_keys=True)})
+        self._groups, self._meta = groups, meta
+        self.digests = {k: "0" * 64 for k in groups}  # filled in as groups are written
+        self.layout = self._layout()
         [(self._shard, self._header)] = self.layout.headers.items()
         self.size = self.layout.shard_size(self._shard)
         self.fd = -1
+
+    def _layout(self) -> Any:
+        return plan_layout(
+            [[(f"hessian.{k}", "F32", (n, n)), (f"tokens.{k}", "I64", ())]
+             for k, n in self._groups.items()], 1 << 62,
+            metadata={META_KEY: json.dumps({**self._meta, "digests": self.digests,
+                                            "format_version": FORMAT_VERSION},
+                                           sort_keys=True)})
 
     def __enter__(self) -> CalibrationWriter:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -197,10 +226,16 @@ class CalibrationWriter:
         self._pwrite(tensor_bytes(mean), self.layout.slots[f"hessian.{key}"].offset)
         self._pwrite(tokens.to_bytes(8, "little", signed=True),
                      self.layout.slots[f"tokens.{key}"].offset)
+        self.digests[key] = _digest(mean, tokens)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
             if exc_type is None:
+                # the digests into the header: same keys, same-length values, same offsets
+                [(_, header)] = self._layout().headers.items()
+                if len(header) != len(self._header):
+                    raise RuntimeError("calibration header changed length")
+                self._pwrite(len(header).to_bytes(8, "little") + header, 0)
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
