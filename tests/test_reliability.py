@@ -116,3 +116,20 @@ def test_an_out_below_a_file_is_named(small_folder: Path, tmp_path: Path, below:
     assert str(e.value) == (f"{out}: {tmp_path / 'afile'} is a file, not a folder; choose "
                             "another OUT")
     assert (tmp_path / "afile").read_text() == "not a folder"
+
+
+def test_verify_checksums_false_is_honoured_by_the_from_pretrained_inside_load(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """load(..., verify_checksums=False) skipped its own checksum pass, but the quantizer's
+    check inside from_pretrained read every shard again (and refused this folder)."""
+    out = tmp_path / "tq"
+    convert(tiny_llama, out, ConvertSpec(fast=True))
+    shard = next(out.glob("*.safetensors"))
+    with open(shard, "r+b") as fh:  # a data byte, not the header: structure intact
+        fh.seek(-8, os.SEEK_END)
+        last = fh.read(8)
+        fh.seek(-8, os.SEEK_END)
+        fh.write(bytes(b ^ 0x01 for b in last))
+    tq_cli.load(out, verify_checksums=False)  # asked not to read the shards: loads
+    with pytest.raises(CorruptFileError, match="checksum"):
+        tq_cli.load(out)  # the default still refuses it

@@ -8,6 +8,7 @@ then rebuilds `QuantizedTensor`s and rotation material from the stored keys.
 
 from __future__ import annotations
 
+import contextvars
 import json
 from pathlib import Path
 
@@ -90,11 +91,19 @@ def _stats(folder: Path) -> tuple[tuple[str, int, int, int, int], ...]:
     return tuple(out)
 
 
+# Set by tq_cli.load(..., verify_checksums=False) around its from_pretrained call, so the
+# quantizer's own check of the same folder skips the checksums too (it is this context's
+# choice, not the process's: another load in another thread still verifies).
+SKIP_CHECKSUMS: contextvars.ContextVar[bool] = contextvars.ContextVar("tq_skip_checksums",
+                                                                      default=False)
+
+
 def check_checkpoint(folder: Path, verify_checksums: bool = True) -> Checkpoint:
     """Every integrity check before a load: the structure (tq_cli.io.integrity), the sha256
     of every shard (unless verify_checksums is False) and the rotation material against a
     fresh draw from its seed. Raises TqError naming the problem."""
     folder = Path(folder).resolve()
+    verify_checksums = verify_checksums and not SKIP_CHECKSUMS.get()
     stats = _stats(folder)
     checksums = verify_checksums and _VERIFIED.get(folder) != stats
     # from_pretrained calls this under a meta default device; the checks need real tensors.

@@ -19,7 +19,7 @@ from torch import nn
 
 from tq_cli.device import resolve_device
 from tq_cli.errors import CorruptFileError, TqError
-from tq_cli.io.checkpoint import check_checkpoint
+from tq_cli.io.checkpoint import SKIP_CHECKSUMS, check_checkpoint
 from tq_cli.io.format import converted_entries
 from tq_cli.io.source import resolve_source
 from tq_cli.runtime.hf_models import model_class
@@ -62,7 +62,11 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
 
     config = json.loads((folder / "config.json").read_text())
     cls = model_class(config)
-    model = cls.from_pretrained(folder, dtype=dtype)
+    token = SKIP_CHECKSUMS.set(not verify_checksums)  # the quantizer checks the folder too
+    try:
+        model = cls.from_pretrained(folder, dtype=dtype)
+    finally:
+        SKIP_CHECKSUMS.reset(token)
     model = model.to(dev).eval()
     leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
                  if t.device.type == "meta"]
