@@ -74,7 +74,7 @@ class Calibration:
         return self._cache[key].clone()
 
     def _check(self, key: str, tensor_name: str, h: torch.Tensor) -> None:
-        want = (self.meta.get("digests") or {}).get(key)
+        want = (self.meta.get("digests") or {}).get(key)  # checked to be a map on opening
         if want is None:
             return  # a file from before digests
         got = _digest(h, int(read_tensor(self.entries[f"tokens.{key}"])))
@@ -157,6 +157,10 @@ def read_calibration(path: str | os.PathLike[str]) -> Calibration:
     try:
         if not isinstance(meta["source"]["fingerprint"], str):
             raise KeyError("source.fingerprint")
+        digests = meta.get("digests")
+        if digests is not None and (not isinstance(digests, dict) or not all(
+                isinstance(v, str) and len(v) == 64 for v in digests.values())):
+            raise KeyError("digests")
         for tname, key in meta["tensors"].items():
             h, n = entries[f"hessian.{key}"], entries[f"tokens.{key}"]
             if len(h.shape) != 2 or h.shape[0] != h.shape[1] or h.dtype != "F32" or \
