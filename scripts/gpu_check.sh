@@ -48,3 +48,9 @@ for dev in ("cuda", "cpu"):
     if dev == "cuda": torch.cuda.synchronize()
     print(f"gptq 4096x4096 4-bit on {dev}: {time.perf_counter() - t:.2f} s")
 EOF
+# KV cache attention on the codes: the Triton kernels against the torch reference on CUDA,
+# then decode time per token against transformers' DynamicCache at 2k, 8k and 32k tokens
+# (random SmolLM2-shaped model, cache bytes read per step against the copy rate).
+.venv/bin/python -m pytest -q tests/test_kv_triton.py 2>&1 | tee "$out/kv_triton_tests.txt"
+.venv/bin/tq bench --device cuda --section kv --json "$out/bench-kv-cuda.json" 2>&1 \
+    | tee "$out/bench-kv-cuda.txt"

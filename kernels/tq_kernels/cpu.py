@@ -29,7 +29,7 @@ import torch
 
 from tq_kernels import cpu_build
 
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = cpu_build.ISAS
 
 # From this many activation rows on, dequantizing row blocks once and calling torch's
 # GEMM beats the lookup-table GEMV, which redoes the lookups for every 4 rows. Measured
@@ -63,15 +63,7 @@ def _require() -> None:
 @functools.lru_cache(maxsize=1)
 def _cap() -> int:
     _require()
-    best = int(torch.ops.tq_cpu.cpu_isa())
-    want = os.environ.get("TQ_CPU_ISA", "").strip().lower()
-    if not want:
-        return best
-    if want not in ISAS:
-        warnings.warn(f"tq: TQ_CPU_ISA={want!r} is not one of {', '.join(ISAS)}; ignored",
-                      RuntimeWarning, stacklevel=3)
-        return best
-    return min(best, ISAS.index(want))
+    return cpu_build.capped(int(torch.ops.tq_cpu.cpu_isa()), warn=True)
 
 
 _requested: str | None = None  # set_gemm_precision(); None: TQ_CPU_GEMM, else bf16
@@ -115,12 +107,7 @@ def set_gemm_precision(precision: str | None) -> None:
 
 
 def _isa_index(isa: str | None) -> int:
-    cap = _cap()  # loads the library
-    if isa is None:
-        return cap
-    if isa not in ISAS:
-        raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
-    return ISAS.index(isa)
+    return cpu_build.isa_index(isa, _cap())  # _cap() loads the library
 
 
 def cpu_isa() -> str:

@@ -1,16 +1,17 @@
 """Build tq's CPU kernel on first use, cache it, and load it into torch.
 
-The C++ source ships inside the package (`tq_kernels/csrc/`). Two libraries are built
-from it, each from one translation unit: `tq_cpu.cpp` (TQLinear's forward; it includes
-the per-instruction-set headers) and `fit_cpu.cpp` (the quantizer's fit, with its
-`fit_*` files). The first process that needs one compiles it with the system C++
-compiler against the installed torch's headers, into tq's cache (`$TQ_CACHE/kernels`,
-default `~/.cache/tq/kernels`), named by a hash of its sources, the torch version and the
-compiler, so an upgrade of either builds afresh and nothing stale is ever loaded. The
-libraries are independent: a change to (or a failed build of) one never touches the
-other. The library is written to a temporary name and renamed
-into place, so concurrent first uses never see half a file. Each registers torch
-operators (`torch.ops.tq_cpu.*`, `torch.ops.tq_fit.*`) and is loaded with
+The C++ source ships inside the package (`tq_kernels/csrc/`). Three libraries are built
+from it, each from one translation unit: `tq_cpu.cpp` (TQLinear's forward, with the
+per-instruction-set headers), `fit_cpu.cpp` (the quantizer's fit, `fit_*` files) and
+`kv_cpu.cpp` (attention on KV-cache codes, `kv_*` files). The first process that needs
+one compiles it with the system C++ compiler against the installed torch's headers, into
+tq's cache (`$TQ_CACHE/kernels`, default `~/.cache/tq/kernels`), named by a hash of its
+sources, the torch version and the compiler, so an upgrade of either builds afresh and
+nothing stale is ever loaded. The libraries are independent: a change to (or a failed
+build of) one never touches another. A library is written to a temporary name and
+renamed into place, so concurrent first uses never see half a file. Each registers torch
+operators (`torch.ops.tq_cpu.*`, `torch.ops.tq_fit.*`, `torch.ops.tq_kv.*`) and is
+loaded with
 `torch.ops.load_library`.
 
 No `-march=native`: the SIMD variants are compiled with per-function target pragmas and
@@ -35,9 +36,38 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 MAIN = "tq_cpu.cpp"
-FIT = "fit_cpu.cpp"  # its own files are named fit_*, shared_* go into both, the rest to MAIN
+FIT = "fit_cpu.cpp"  # its own files are named fit_*
+KV = "kv_cpu.cpp"  # its own files are named kv_*; shared_* go into all, the rest to MAIN
+_OWN = {FIT: "fit_", KV: "kv_"}
 FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", "-w"]
 _lock = threading.Lock()
+# The SIMD variants every library has, narrowest first; `capped` and `isa_index` are how
+# each library's wrapper applies TQ_CPU_ISA and a test's isa= argument.
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def capped(best: int, warn: bool = False) -> int:
+    """The widest variant to run: `best` (what the CPU has), capped by TQ_CPU_ISA."""
+    want = os.environ.get("TQ_CPU_ISA", "").strip().lower()
+    if not want:
+        return best
+    if want not in ISAS:
+        if warn:
+            import warnings
+
+            warnings.warn(f"tq: TQ_CPU_ISA={want!r} is not one of {', '.join(ISAS)}; "
+                          "ignored", RuntimeWarning, stacklevel=4)
+        return best
+    return min(best, ISAS.index(want))
+
+
+def isa_index(isa: str | None, cap: int) -> int:
+    """The variant a call runs: `cap` by default, or the named one (tests run each)."""
+    if isa is None:
+        return cap
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
+    return ISAS.index(isa)
 
 
 @dataclass(frozen=True)
@@ -81,11 +111,18 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
 
 
 def _sources(main: str) -> list[Path]:
-    """The files library `main` is built from: fit_* for FIT, all others for MAIN, and
-    shared_* (headers both include) for both."""
-    fit = main == FIT
-    return [f for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h", ".inc")
-            and (f.name.startswith("shared_") or f.name.startswith("fit_") == fit)]
+    """The files library `main` is built from: fit_* for FIT, kv_* for KV, all others for
+    MAIN, and shared_* (headers any may include) for each, so a change to one library's
+    files never rebuilds another."""
+    own = _OWN.get(main)
+
+    def belongs(name: str) -> bool:
+        if name.startswith("shared_"):
+            return True
+        return name.startswith(own) if own else not name.startswith(tuple(_OWN.values()))
+
+    return [f for f in sorted(CSRC.iterdir())
+            if f.suffix in (".cpp", ".h", ".inc") and belongs(f.name)]
 
 
 def build_key(cxx: str, main: str = MAIN) -> str:

@@ -11,14 +11,13 @@ one warning says why, and the quantizer runs its torch version. `TQ_CPU_ISA=avx2
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 
 from tq_kernels import cpu_build
 
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = cpu_build.ISAS
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,18 +38,11 @@ def available() -> bool:
 def _cap() -> int:
     if not available():
         raise RuntimeError(f"tq's native fit is unavailable: {_built().error}")
-    best = int(torch.ops.tq_fit.isa())
-    want = os.environ.get("TQ_CPU_ISA", "").strip().lower()
-    return min(best, ISAS.index(want)) if want in ISAS else best
+    return cpu_build.capped(int(torch.ops.tq_fit.isa()))
 
 
 def _isa(isa: str | None) -> int:
-    cap = _cap()
-    if isa is None:
-        return cap
-    if isa not in ISAS:
-        raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
-    return ISAS.index(isa)
+    return cpu_build.isa_index(isa, _cap())  # _cap() loads the library
 
 
 def init_scales(w: torch.Tensor, group: int, outliers: torch.Tensor, uniform: bool,

@@ -23,7 +23,8 @@ ModeSpec = CompareSpec | KVEvalSpec | SweepSpec
 TEXT = ("text", "context", "max_tokens")
 COMMON = frozenset({"candidate", "device", "as_json", *TEXT})
 KV_CACHE = ("kv_window", "kv_split", "kv_sinks", "kv_center_keys", "kv_rescale",
-            "kv_full_layers", "kv_rotation", "kv_sliding", "kv_qjl", "kv_chunk", "kv_compare")
+            "kv_full_layers", "kv_rotation", "kv_sliding", "kv_qjl", "kv_chunk", "kv_compare",
+            "kv_attention")
 NEEDLE = ("needle_lengths", "needle_seeds")
 SWEEP = ("rtn", "scratch")
 # The parameters (of tq_cli.commands.eval.main) each mode reads.
@@ -49,7 +50,8 @@ WHY: dict[tuple[str, str], str] = {
 # Spec fields (dotted pydantic locations) whose flag is not --<field-name>.
 FIELD_FLAGS = {
     "grid": "--sweep", "bits": "--kv-bits", "split": "--kv-split", "chunk": "--kv-chunk",
-    "compare": "--kv-compare", "cache": "--kv-bits", "cache.window": "--kv-window",
+    "compare": "--kv-compare", "attention": "--kv-attention", "cache": "--kv-bits",
+    "cache.window": "--kv-window",
     "cache.sinks": "--kv-sinks", "cache.center_keys": "--kv-center-keys",
     "cache.rescale": "--kv-rescale", "cache.full_precision_layers": "--kv-full-layers",
     "cache.rotation": "--kv-rotation", "cache.sliding": "--kv-sliding",
@@ -126,9 +128,15 @@ def check_flags(ctx: typer.Context) -> Mode:
     return mode
 
 
-def items(text: str | None) -> tuple[str, ...]:
-    """'4, 3.5,' -> ('4', '3.5')."""
-    return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+def items(text: str | None, flag: str = "") -> tuple[str, ...]:
+    """'4, 3.5,' -> ('4', '3.5'); an empty item between two others ('4,,3') is refused
+    (exit 2) as search-seed refuses '1,,2': a typo, not a request."""
+    parts = [x.strip() for x in (text or "").split(",")]
+    while parts and not parts[-1]:
+        parts.pop()  # a trailing comma
+    if any(not x for x in parts):
+        raise usage(f"{flag}: an empty item between commas in '{text}'")
+    return tuple(parts)
 
 
 def _text_fields(p: dict[str, Any]) -> dict[str, Any]:
@@ -141,15 +149,18 @@ def _text_fields(p: dict[str, Any]) -> dict[str, Any]:
 def _kv_fields(p: dict[str, Any]) -> dict[str, Any]:
     cache = {"window": p["kv_window"], "rotation": p["kv_rotation"],
              "sliding": p["kv_sliding"], "qjl": p["kv_qjl"],
-             "full_precision_layers": items(p["kv_full_layers"])}
+             "full_precision_layers": items(p["kv_full_layers"], "--kv-full-layers")}
     optional = {"sinks": p["kv_sinks"], "center_keys": p["kv_center_keys"],
                 "rescale": p["kv_rescale"]}  # None: the cache's default
     cache.update({k: v for k, v in optional.items() if v is not None})
-    fields = _text_fields(p) | {"bits": items(p["kv_bits"]), "split": p["kv_split"],
-                                "chunk": p["kv_chunk"], "compare": items(p["kv_compare"]),
+    fields = _text_fields(p) | {"bits": items(p["kv_bits"], "--kv-bits"),
+                                "split": p["kv_split"], "chunk": p["kv_chunk"],
+                                "compare": items(p["kv_compare"], "--kv-compare"),
+                                "attention": p["kv_attention"],
                                 "cache": cache}
     if p["needle"]:
-        fields["needle"] = {"lengths": items(p["needle_lengths"]), "seeds": p["needle_seeds"]}
+        fields["needle"] = {"lengths": items(p["needle_lengths"], "--needle-lengths"),
+                            "seeds": p["needle_seeds"]}
     return fields
 
 

@@ -36,7 +36,7 @@ from tq_cli.evaluation.kv_baselines import (
 from tq_cli.evaluation.needle import cases, run_needle
 from tq_cli.evaluation.spec import KVEvalSpec, NeedleSpec, kv_item_spec, whole_bits
 from tq_cli.io.text import Text
-from tq_cli.kvcache.cache import TurboQuantCache, fill_from
+from tq_cli.kvcache.cache import TurboQuantCache, enable_code_attention, fill_from
 from tq_cli.kvcache.spec import KVSpec
 
 Progress = Callable[[int, int], None]
@@ -51,10 +51,13 @@ class KVSetting:
     backend: str | None = None  # "quanto" | "hqq" for transformers' QuantizedCache
     bits: int = 4  # with backend
     residual: int = 128  # with backend
+    codes: bool = True  # attend on the codes where the model supports it
 
     def make(self, model: nn.Module) -> Any:
         if self.spec is not None:
-            return TurboQuantCache(self.spec, model.config, measure_error=True)
+            code = self.codes and enable_code_attention(model)
+            return TurboQuantCache(self.spec, model.config, measure_error=True,
+                                   code_attention=code)
         assert self.backend is not None
         return hf_quantized_cache(model, self.backend, self.bits, self.residual)
 
@@ -178,7 +181,8 @@ def settings_for(spec: KVEvalSpec) -> list[KVSetting]:
     out = []
     for raw in spec.bits:
         cache = kv_item_spec(raw, spec.split, spec.cache)
-        out.append(KVSetting(f"{raw} ({cache.label})", cache))
+        out.append(KVSetting(f"{raw} ({cache.label})", cache,
+                             codes=spec.attention == "codes"))
     for backend in spec.compare:
         check_backend(backend)
         for raw in spec.bits:

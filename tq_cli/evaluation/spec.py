@@ -157,6 +157,10 @@ class KVEvalSpec(_Frozen):
     prefill: int | None = Field(None, ge=1, description="tokens of each window prefilled "
                                 "(None: half the context)")
     chunk: int = Field(32, ge=1, description="tokens per scoring forward")
+    attention: Literal["codes", "decode"] = Field(
+        "codes", description="TurboQuant caches: forwards of a few tokens attend on the codes "
+        "where the model supports it (tq_cli.kvcache.attend), or every coded token is "
+        "decoded first (the reference path)")
     max_tokens: int | None = Field(8192, ge=0, description="tokens of the text used (None "
                                    "or 0: all)")
     device: Device = "auto"

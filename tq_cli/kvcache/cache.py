@@ -19,10 +19,11 @@ kv_bits=...)` does).
 from __future__ import annotations
 
 import copy
+import logging
 import types
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
@@ -31,7 +32,8 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from tq_cli.errors import UnsupportedError
+from tq_cli.errors import UnsupportedError, first_error
+from tq_cli.kvcache.attend import NAME, register
 from tq_cli.kvcache.layers import CodecBank, TurboQuantLayer, TurboQuantSlidingLayer
 from tq_cli.kvcache.rope import RotaryAngles, inv_freq_for
 from tq_cli.kvcache.spec import KVSpec, SplitPolicy, resolve_bits
@@ -42,7 +44,8 @@ SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 class TurboQuantCache(Cache):
     """A KV cache storing keys and values as TurboQuant codes (see `kvcache.layers`)."""
 
-    def __init__(self, spec: KVSpec, config: Any, measure_error: bool = False) -> None:
+    def __init__(self, spec: KVSpec, config: Any, measure_error: bool = False,
+                 code_attention: bool = False) -> None:
         text = config.get_text_config(decoder=True)
         types_, kwargs = get_layer_types_and_kwargs(text)
         n = len(types_)
@@ -68,13 +71,15 @@ class TurboQuantCache(Cache):
             if i in full:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
             elif kind == "full_attention":
-                layers.append(TurboQuantLayer(spec, self.bank, measure_error, rope(kind)))
+                layers.append(TurboQuantLayer(spec, self.bank, measure_error, rope(kind),
+                                              code_attention))
             elif kind in SLIDING_TYPES and spec.sliding == "quantize":
                 layers.append(TurboQuantSlidingLayer(spec, self.bank, kw["sliding_window"],
                                                      measure_error, rope(kind)))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
+        self.code_attention = code_attention
 
     def memory(self, full_element_bytes: int | None = None) -> dict[str, Any]:
         """What the cache holds, in bytes, with effective bits per cached element.
@@ -153,34 +158,95 @@ def make_spec(bits: float | None = 3.5, window: int = 128, split: SplitPolicy = 
     """A KVSpec from average bits (None: full precision) under a split policy; options are
     KVSpec fields (key_bits/value_bits override the split). Raises UnsupportedError."""
     try:
+        # Validated first, as the CLI's flags are: "abc", True or a window of 2.5 are
+        # refused by name.
+        if isinstance(bits, bool):
+            raise ValueError(f"bits: must be a number, got {bits!r}")
+        bits = _checked("bits", float | None, bits, strict=False)
+        window = _checked("window", int, window, strict=True)
         kb, vb = resolve_bits(bits, split) if bits is not None else (None, None)
         fields: dict[str, Any] = {"key_bits": kb, "value_bits": vb, "window": window}
         fields.update(options)
         return KVSpec(**fields)
-    except (ValidationError, ValueError) as e:
-        msg = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
-        raise UnsupportedError(f"KV cache settings: {msg}") from e
+    except ValidationError as e:
+        where, what = first_error(e)
+        raise UnsupportedError(f"KV cache settings: {where + ': ' if where else ''}{what}") \
+            from e
+    except ValueError as e:
+        raise UnsupportedError(f"KV cache settings: {e}") from e
+
+
+def _checked(name: str, kind: Any, value: Any, strict: bool) -> Any:
+    try:
+        return TypeAdapter(kind).validate_python(value, strict=strict)
+    except ValidationError as e:
+        raise ValueError(f"{name}: {first_error(e)[1]}") from None
+
+
+# Model types whose attention modules hand the cache's keys to the attention function
+# untouched (checked by tests/test_kv_attend.py): the only ones that attend on the codes.
+CODE_ATTENTION_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def code_attention_because(model: Any) -> str | None:
+    """Why `model` cannot attend on the codes (None: it can)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        return "given a config, not a model"
+    kind = getattr(config, "model_type", None)
+    if kind not in CODE_ATTENTION_TYPES:
+        return (f"model type '{kind}' is not one tq attends on the codes for "
+                f"({', '.join(CODE_ATTENTION_TYPES)})")
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager", NAME):
+        return f"it runs attention implementation '{impl}' (tq's wraps sdpa or eager)"
+    return None
+
+
+def enable_code_attention(model: Any) -> bool:
+    """Switch `model` to tq's attention (decode steps on the codes, everything else the
+    model's own sdpa or eager) where it can; False, with a log line, where not."""
+    why = code_attention_because(model)
+    if why is not None:
+        logging.getLogger("tq").info("tq: KV cache decodes coded tokens before attention: %s",
+                                     why)
+        return False
+    register()
+    if model.config._attn_implementation != NAME:
+        model.config._tq_attn_before = model.config._attn_implementation
+        model.set_attn_implementation(NAME)
+    return True
 
 
 def kv_cache(model: Any, bits: float | None = 3.5, window: int = 128, *,
              split: SplitPolicy = "kv", spec: KVSpec | None = None,
-             measure_error: bool = False, **options: Any) -> TurboQuantCache:
+             measure_error: bool = False, code_attention: bool | None = None,
+             **options: Any) -> TurboQuantCache:
     """A fresh TurboQuant KV cache for `model` (or its config).
 
     bits: average bits per cached element of the coded tokens (3.5: keys 4, values 3 with
     split="kv"); window: recent tokens kept in full precision; options: other KVSpec
     fields (key_bits, value_bits, sinks, full_precision_layers, sliding, rotation,
     rescale, center, center_keys, qjl, seed). A `spec` replaces all of these.
+    code_attention: decode steps attend on the codes (`kvcache.attend`), switching the
+    model to tq's attention function; None (the default): where the model supports it,
+    False: decode coded tokens before attention (the reference path).
     """
     config = getattr(model, "config", model)
+    code = False
+    if code_attention is not False:
+        code = enable_code_attention(model)
+        if code_attention and not code:
+            raise UnsupportedError(f"code_attention: {code_attention_because(model)}")
     return TurboQuantCache(spec or make_spec(bits, window, split, **options), config,
-                           measure_error)
+                           measure_error, code)
 
 
 def use_kv_cache(model: Any, spec: KVSpec) -> Any:
     """Make `model.generate()` use a fresh TurboQuant cache unless given a cache or a
     cache_implementation. Returns the model; `model.tq_kv_spec` records the spec."""
     original = model._prepare_cache_for_generation
+    code = enable_code_attention(model)
 
     def prepare(self: Any, generation_config: Any, model_kwargs: dict, *args: Any,
                 **kwargs: Any) -> Any:
@@ -188,7 +254,8 @@ def use_kv_cache(model: Any, spec: KVSpec) -> Any:
                and generation_config.use_cache is not False
                and generation_config.cache_implementation is None)
         if own:
-            model_kwargs["cache"] = TurboQuantCache(spec, self.config)
+            model_kwargs["cache"] = TurboQuantCache(spec, self.config,
+                                                    code_attention=code)
         result = original(generation_config, model_kwargs, *args, **kwargs)
         if own:
             # Ours, not the caller's: generate() may drop it at the end like its own.

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import BaseQuantizedLayer, DynamicSlidingWindowLayer
 
+from tq_cli.kvcache.attend import CodedKV, CodedStream
 from tq_cli.kvcache.codec import Encoded, StreamCodec
 from tq_cli.kvcache.rope import RotaryAngles
 from tq_cli.kvcache.spec import KVSpec
@@ -116,6 +117,17 @@ class _Stream:
         # The offset is finite for any keys the codec stores: each mean entry is at most a
         # key's norm, and norms are stored in fp16 too.
         return x if off is None else x.addcmul_(off, centered[..., None].to(off.dtype))
+
+    def full_visible(self, new: torch.Tensor) -> torch.Tensor:
+        """The tokens held in full precision, in order: sinks, window, then the new ones
+        (the coded tokens go between the sinks and the window: `coded`)."""
+        return torch.cat([self.sinks, self.recent, new], dim=-2)
+
+    def coded(self) -> CodedStream:
+        """The coded tokens as they are stored, for attention on the codes."""
+        assert isinstance(self.codec, StreamCodec)
+        return CodedStream(self.codec, self.store.view(), self.store_pos, self.order,
+                           self.mean, self.rope)
 
     def visible(self, new: torch.Tensor) -> torch.Tensor:
         """Every cached token in order (codes decoded), then the new ones."""
@@ -221,11 +233,16 @@ class TurboQuantLayer(BaseQuantizedLayer):
     """
 
     is_croppable = True
+    # A forward of at most this many new tokens attends on the codes when the model runs
+    # tq's attention (`code_attention`, `kvcache.attend`); longer ones (a prefill, a long
+    # chunk) get every token decoded as before.
+    CODE_MAX_NEW = 8
 
     def __init__(self, spec: KVSpec, bank: CodecBank, measure_error: bool = False,
-                 rope: RotaryAngles | None = None) -> None:
+                 rope: RotaryAngles | None = None, code_attention: bool = False) -> None:
         super().__init__()
         self.spec, self.bank, self.measure_error = spec, bank, measure_error
+        self.code_attention = code_attention
         self.rope = rope  # the layer's RoPE angles, when keys are centered before RoPE
         self.n_sinks = spec.sinks
         self.streams: tuple[_Stream, _Stream] | None = None
@@ -262,13 +279,24 @@ class TurboQuantLayer(BaseQuantizedLayer):
         assert self.streams is not None
         k, v = self.streams
         self.cumulative_length += key_states.shape[-2]
-        keys, values = k.visible(key_states), v.visible(value_states)
+        coded = None
+        if (self.code_attention and not self.is_sliding and k.store.length
+                and key_states.shape[-2] <= self.CODE_MAX_NEW
+                and isinstance(k.codec, StreamCodec) and isinstance(v.codec, StreamCodec)):
+            # Attention on the codes (`kvcache.attend`): the coded tokens stay codes; the
+            # attention function finds them on the returned keys.
+            coded = CodedKV(k.coded(), v.coded(), k.sinks.shape[-2])
+            keys, values = k.full_visible(key_states), v.full_visible(value_states)
+        else:
+            keys, values = k.visible(key_states), v.visible(value_states)
         # Keys are centered before RoPE when the layer has its angles (`kvcache.rope`);
         # values around a fixed mean only when asked (measured worse on SmolLM2).
         for s, new, center in ((k, key_states, False), (v, value_states, self.spec.center)):
             s.admit(new, self.n_sinks, self.spec.window, center, self.measure_error)
         self._after_admit()
         self._mirror()
+        if coded is not None:
+            keys.tq_coded = coded  # type: ignore[attr-defined]
         return keys, values
 
     def _after_admit(self) -> None:
@@ -339,7 +367,7 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
 
     def __init__(self, spec: KVSpec, bank: CodecBank, sliding_window: int,
                  measure_error: bool = False, rope: RotaryAngles | None = None) -> None:
-        super().__init__(spec, bank, measure_error, rope)
+        super().__init__(spec, bank, measure_error, rope)  # decodes: no code attention
         self.n_sinks = 0
         self.sliding_window = sliding_window
         self._sliding_window_tensor = torch.tensor(sliding_window, dtype=torch.long)

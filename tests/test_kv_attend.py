@@ -1,0 +1,156 @@
+"""Attention on the KV codes (tq_cli.kvcache.attend) against the reference path that
+decodes every coded token first: same logits, every option of the cache, and no coded
+token ever decoded in a decode step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+import tq_cli
+import tq_cli.kvcache.attend as attend
+from tq_cli.errors import UnsupportedError
+from tq_cli.kvcache.codec import StreamCodec
+from tq_cli.kvcache.rope import RotaryAngles
+
+
+def _model(kind: str = "llama", head_dim: int = 32, heads: int = 4, kv_heads: int = 2,
+           layers: int = 2, partial: float | None = None) -> Any:
+    import transformers as T
+
+    cfg_cls, model_cls = {"llama": (T.LlamaConfig, T.LlamaForCausalLM),
+                          "mistral": (T.MistralConfig, T.MistralForCausalLM),
+                          "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+                          "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM)}[kind]
+    extra: dict[str, Any] = {}
+    if partial is not None:
+        extra["partial_rotary_factor"] = partial
+    cfg = cfg_cls(vocab_size=200, hidden_size=heads * head_dim, intermediate_size=96,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=4096, **extra)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return model_cls(cfg).eval()
+
+
+@torch.no_grad()
+def _decode(model: Any, cache: Any, ids: torch.Tensor, steps: int,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of `steps` greedy decode steps after a prefill of `ids`."""
+    out = model(ids, cache=cache, use_cache=True, attention_mask=mask)
+    nxt = out.logits[:, -1:].argmax(-1)
+    logits = []
+    for _ in range(steps):
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        o = model(nxt, cache=cache, use_cache=True, attention_mask=mask)
+        logits.append(o.logits)
+        nxt = o.logits[:, -1:].argmax(-1)
+    return torch.cat(logits, 1)
+
+
+def _both(model: Any, ids: torch.Tensor, steps: int = 6, mask: torch.Tensor | None = None,
+          **opts: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    ref = _decode(model, tq_cli.kv_cache(model, code_attention=False, **opts), ids, steps, mask)
+    cache = tq_cli.kv_cache(model, code_attention=True, **opts)
+    assert cache.code_attention and model.config._attn_implementation == attend.NAME
+    return ref, _decode(model, cache, ids, steps, mask)
+
+
+def _close(ref: torch.Tensor, got: torch.Tensor) -> None:
+    err = float((ref - got).abs().max())
+    assert err <= 1e-5 * float(ref.abs().max()) + 1e-6, err
+
+
+@pytest.mark.parametrize("opts", [
+    {"bits": 3.5}, {"bits": 4}, {"bits": 3}, {"bits": 2.5}, {"bits": 2},
+    {"bits": 3.5, "qjl": True}, {"bits": 3, "center": True},
+    {"bits": 4.5, "split": "outlier"}, {"bits": 3.5, "center_keys": False},
+    {"bits": 3.5, "sinks": 0}, {"bits": 3.5, "sinks": 4, "window": 0},
+    {"bits": 3.5, "rotation": "orthogonal", "rescale": "unbiased"},
+])
+def test_code_attention_gives_the_decoding_paths_logits(opts: dict) -> None:
+    model = _model()
+    ids = torch.randint(0, 200, (2, 90), generator=torch.Generator().manual_seed(1))
+    ref, got = _both(model, ids, window=opts.pop("window", 16), **opts)
+    _close(ref, got)
+
+
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"),
+                         [(64, 2, 2), (128, 4, 1), (256, 2, 1), (16, 8, 1)])
+def test_head_dims_and_gqa_ratios(head_dim: int, heads: int, kv_heads: int) -> None:
+    model = _model(head_dim=head_dim, heads=heads, kv_heads=kv_heads, layers=1)
+    ids = torch.randint(0, 200, (1, 70), generator=torch.Generator().manual_seed(2))
+    _close(*_both(model, ids, bits=3.5, window=8))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_left_padding_and_batches(batch: int) -> None:
+    model = _model()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 200, (batch, 80), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, :23] = 0  # the last row is left-padded
+    _close(*_both(model, ids, mask=mask, bits=3.5, window=8))
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
+def test_other_families(kind: str) -> None:
+    model = _model(kind)
+    ids = torch.randint(0, 200, (1, 64), generator=torch.Generator().manual_seed(4))
+    _close(*_both(model, ids, bits=3.5, window=8))
+
+
+def test_partial_rotary_keys() -> None:
+    model = _model(partial=0.5)
+    ids = torch.randint(0, 200, (1, 64), generator=torch.Generator().manual_seed(5))
+    _close(*_both(model, ids, bits=3.5, window=8))
+
+
+def test_no_coded_token_is_decoded_in_a_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    cache = tq_cli.kv_cache(model, bits=3.5, window=8)
+    ids = torch.randint(0, 200, (1, 64), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+
+        def refuse(*_: Any, **__: Any) -> torch.Tensor:
+            raise AssertionError("a coded token was decoded")
+
+        monkeypatch.setattr(StreamCodec, "decode", refuse)
+        model(ids[:, -1:], cache=cache, use_cache=True)  # runs on the codes
+        with pytest.raises(AssertionError, match="decoded"):
+            model(ids[:, -9:], cache=cache, use_cache=True)  # 9 new tokens: decodes
+
+
+def test_mean_scores_is_the_turned_mean() -> None:
+    """<q, R(p) m> by angle addition equals forming R(p) m, at a large start position."""
+    g = torch.Generator().manual_seed(7)
+    inv = 1.0 / (10000 ** (torch.arange(0, 24, 2, dtype=torch.float32) / 24))
+    rope = RotaryAngles(inv)  # 24 of 32 channels rotate
+    q = torch.randn(2, 3, 5, 32, generator=g)
+    mean = torch.randn(1, 3, 1, 32, generator=g)
+    want = torch.einsum("bhmd,bhnd->bhmn", q, rope.offsets(mean, 1000, 200).expand(2, -1, -1,
+                                                                                      -1))
+    got = attend.mean_scores(q, mean, rope, 1000, 200)
+    assert torch.allclose(got, want, atol=2e-3 * float(want.abs().max()), rtol=0)
+
+
+def test_models_it_cannot_serve_decode_first(caplog: pytest.LogCaptureFixture) -> None:
+    import transformers as T
+
+    cfg = T.Phi3Config(vocab_size=200, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                       pad_token_id=0)
+    model = T.Phi3ForCausalLM(cfg).eval()
+    with caplog.at_level(logging.INFO, logger="tq"):
+        cache = tq_cli.kv_cache(model, bits=3.5)
+    assert not cache.code_attention
+    assert model.config._attn_implementation != attend.NAME
+    assert "model type 'phi3' is not one tq attends on the codes for" in caplog.text
+    with pytest.raises(UnsupportedError, match="code_attention: model type 'phi3'"):
+        tq_cli.kv_cache(model, bits=3.5, code_attention=True)
