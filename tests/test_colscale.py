@@ -221,3 +221,15 @@ def _resign_and_load(folder: Path, man: dict) -> None:
     (folder / "tq_manifest.json").write_text(json.dumps(man))
     (folder / "config.json").write_text(json.dumps(config))
     tq_cli.load(folder)
+
+
+def test_fp16_activations_are_scaled_in_float32() -> None:
+    """t reaches 2^15: x * t in fp16 would be inf where the layer's output is finite."""
+    from tq_kernels import dispatch
+
+    x = torch.full((1, 4), 300.0, dtype=torch.float16)
+    t = torch.tensor([1.0, 298.25, 0.5, 2.0], dtype=torch.float16)
+    y = dispatch.scale_columns(x, t)
+    assert y.dtype == torch.float32 and torch.isfinite(y).all() and float(y[0, 1]) == 89475.0
+    assert dispatch.scale_columns(x.float(), t).dtype == torch.float32
+    assert dispatch.scale_columns(x.bfloat16(), t).dtype == torch.bfloat16

@@ -181,6 +181,12 @@ def test_the_specs_are_frozen_typed_and_closed() -> None:
     sweep = SweepSpec(grid="bits=3,4 group-size=32", context=64)
     assert [c.get("label", "tq") for c in sweep.combinations()] == ["rtn", "rtn", "tq", "tq"]
     assert len(sweep.model_copy(update={"rtn": False}).combinations()) == 2
+    from tq_cli.evaluation.spec import to_spec
+
+    specs = [to_spec({k: v for k, v in c.items() if k != "label"})
+             for c in sweep.combinations()]
+    # the round-to-nearest floor is plain: no column scales (a conversion's default)
+    assert [s.quant.col_scale for s in specs] == ["none", "none", "sinkhorn", "sinkhorn"]
 
 
 def test_kv_items_and_the_settings_a_spec_measures() -> None:

@@ -154,3 +154,17 @@ def test_models_it_cannot_serve_decode_first(caplog: pytest.LogCaptureFixture) -
     assert "model type 'phi3' is not one tq attends on the codes for" in caplog.text
     with pytest.raises(UnsupportedError, match="code_attention: model type 'phi3'"):
         tq_cli.kv_cache(model, bits=3.5, code_attention=True)
+
+
+def test_an_eager_model_keeps_the_decoding_path() -> None:
+    """tq's attention builds sdpa's masks: an eager model would get masks it cannot read
+    (no causal mask at all), so it is left alone."""
+    import transformers as T
+
+    cfg = T.LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    model = T.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    cache = tq_cli.kv_cache(model, bits=3.5)
+    assert not cache.code_attention and model.config._attn_implementation == "eager"
+    with pytest.raises(UnsupportedError, match="'eager' \\(tq's stands in for sdpa only\\)"):
+        tq_cli.kv_cache(model, bits=3.5, code_attention=True)

@@ -49,7 +49,7 @@ def test_a_header_naming_a_tensor_twice_is_refused(small_folder: Path, tmp_path:
     f.write_bytes(struct.pack("<Q", len(header)) + header + raw)
     with pytest.raises(CorruptFileError) as e:
         convert(small_folder, tmp_path / "out", ConvertSpec(fast=True))
-    assert str(e.value) == ("model.safetensors: the header names tensor "
+    assert str(e.value) == ("model.safetensors: the header has the key "
                             "'model.layers.0.mlp.up_proj.weight' twice; the file is damaged "
                             "or was not written by safetensors, re-export it")
     assert not (tmp_path / "out").exists()

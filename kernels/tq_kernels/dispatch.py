@@ -78,6 +78,15 @@ def rotate(x: torch.Tensor, material: reference.Material, block: int) -> torch.T
     return fn(x, material, block)
 
 
+def scale_columns(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x * t over the last dimension, for a weight stored with column scales t
+    (W = W' diag(t)). In float32 when x is float16: t reaches 2^15, and x * t could pass
+    fp16's range where the layer's output would not; the caller casts the output back."""
+    if x.dtype == torch.float16:
+        return x.float() * t.float()
+    return x * t.to(x.dtype)
+
+
 def linear(x: torch.Tensor, material: reference.Material | None, block: int,
            codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
            outlier_idx: torch.Tensor, outlier_val: torch.Tensor, bias: torch.Tensor | None,

@@ -257,7 +257,8 @@ def with_rtn(combos: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if key not in seen:
             seen.append(key)
     rtn = [{"bits": b, "group-size": g, "rotation": "none", "codebook": "uniform",
-            "scale-iters": 0, "outliers": 0.0, "label": "rtn"} for b, g in seen]
+            "scale-iters": 0, "outliers": 0.0, "col-scale": "none", "label": "rtn"}
+           for b, g in seen]
     return rtn + combos
 
 

@@ -118,7 +118,7 @@ def read_header(path: Path) -> tuple[dict, int, bytes]:
             raise ValueError
     except _DuplicateKey as e:
         # the safetensors library refuses such a file; tq would otherwise use the last one
-        raise CorruptFileError(f"{name}: the header names tensor '{e.key}' twice; the file "
+        raise CorruptFileError(f"{name}: the header has the key '{e.key}' twice; the file "
                                "is damaged or was not written by safetensors, re-export it") \
             from None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

@@ -21,14 +21,14 @@ adds around the codes is handled here exactly as `kvcache.layers` decodes it:
 
 `attention` is the function tq registers with transformers' attention interface: a
 decode step whose cache layer handed it coded segments (`CodedKV`, set on the key
-tensor by `TurboQuantLayer.update`) runs here; anything else goes to the model's own
-attention (sdpa or eager), unchanged.
+tensor by `TurboQuantLayer.update`) runs here; anything else goes to sdpa, unchanged
+(tq's attention is only set on models that ran sdpa).
 """
 
 from __future__ import annotations
 
 import math
-import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,7 @@ def mean_scores(q: torch.Tensor, mean: torch.Tensor, rope: RotaryAngles, start: 
 # (id of the angles, device, start) -> (the angles, [cos; sin] [r, capacity] by position
 # from start); the angles are held so their id cannot be reused while the entry lives.
 _ANGLES: dict[tuple[int, str, int], tuple[RotaryAngles, torch.Tensor]] = {}
+_ANGLES_LOCK = threading.Lock()
 
 
 def _angles(rope: RotaryAngles, start: int, n: int, device: torch.device) -> torch.Tensor:
@@ -103,16 +104,17 @@ def _angles(rope: RotaryAngles, start: int, n: int, device: torch.device) -> tor
     path computes them (float32 position times frequency) and grown geometrically, so a
     decode step (n one more than the last) costs no new trigonometry."""
     key = (id(rope), str(device), start)
-    hit = _ANGLES.get(key)
-    if hit is None or hit[0] is not rope or hit[1].shape[1] < n:
-        cap = max(n, int(1.5 * (hit[1].shape[1] if hit is not None else 0)) + 1024)
-        pos = torch.arange(start, start + cap, dtype=torch.float32, device=device)
-        ang = rope.inv_freq.to(device, torch.float32)[:, None] * pos[None, :]
-        table = torch.cat((ang.cos(), ang.sin()), dim=0)
-        if hit is None and len(_ANGLES) >= 4:
-            _ANGLES.pop(next(iter(_ANGLES)))
-        hit = _ANGLES[key] = (rope, table)
-    return hit[1][:, :n]
+    with _ANGLES_LOCK:
+        hit = _ANGLES.get(key)
+        if hit is None or hit[0] is not rope or hit[1].shape[1] < n:
+            cap = max(n, int(1.5 * (hit[1].shape[1] if hit is not None else 0)) + 1024)
+            pos = torch.arange(start, start + cap, dtype=torch.float32, device=device)
+            ang = rope.inv_freq.to(device, torch.float32)[:, None] * pos[None, :]
+            table = torch.cat((ang.cos(), ang.sin()), dim=0)
+            if key not in _ANGLES and len(_ANGLES) >= 4:
+                _ANGLES.pop(next(iter(_ANGLES)), None)
+            hit = _ANGLES[key] = (rope, table)
+        return hit[1][:, :n]
 
 
 def _uncentered(enc: Encoded) -> torch.Tensor:
@@ -218,16 +220,11 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, coded: C
 
 
 def _fallback(module: Any) -> Any:
-    """The model's own attention: what it used before tq's was set (sdpa or eager)."""
+    """The model's own attention: sdpa (tq's is only set on sdpa models, whose masks it
+    builds with sdpa's mask function)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    before = getattr(module.config, "_tq_attn_before", "sdpa")
-    if before in ALL_ATTENTION_FUNCTIONS:
-        return ALL_ATTENTION_FUNCTIONS[before]
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if eager is None:
-        raise RuntimeError(f"tq: no attention to fall back to for {type(module).__name__}")
-    return eager
+    return ALL_ATTENTION_FUNCTIONS["sdpa"]
 
 
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

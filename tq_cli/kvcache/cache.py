@@ -198,14 +198,15 @@ def code_attention_because(model: Any) -> str | None:
         return (f"model type '{kind}' is not one tq attends on the codes for "
                 f"({', '.join(CODE_ATTENTION_TYPES)})")
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in ("sdpa", "eager", NAME):
-        return f"it runs attention implementation '{impl}' (tq's wraps sdpa or eager)"
+    if impl not in ("sdpa", NAME):
+        # tq's builds sdpa's masks: an eager model would get masks it does not read
+        return f"it runs attention implementation '{impl}' (tq's stands in for sdpa only)"
     return None
 
 
 def enable_code_attention(model: Any) -> bool:
     """Switch `model` to tq's attention (decode steps on the codes, everything else the
-    model's own sdpa or eager) where it can; False, with a log line, where not."""
+    model's own sdpa) where it can; False, with a log line, where not."""
     why = code_attention_because(model)
     if why is not None:
         logging.getLogger("tq").info("tq: KV cache decodes coded tokens before attention: %s",

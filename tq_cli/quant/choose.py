@@ -109,7 +109,9 @@ _PREPARED_KEEP = 4
 def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.device,
               calib: CalibOptions, col_scale: torch.Tensor | None) -> PreparedHessian:
     group = calib.calibration.group(name)
-    key = (group if group is not None and col_scale is None else name,
+    # with column scales H' = diag(t) H diag(t) is this tensor's own, for this t
+    scaled = None if col_scale is None else hash(col_scale.numpy().tobytes())
+    key = (group if group is not None and col_scale is None else name, scaled,
            rotation.rotation_id, calib.damp, calib.act_order, str(device))
     with _PREPARED_LOCK:
         cache: OrderedDict[tuple, PreparedHessian] = calib.calibration.__dict__.setdefault(

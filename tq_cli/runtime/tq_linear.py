@@ -105,14 +105,15 @@ class TQLinear(nn.Module):
             warnings.warn("tq: Triton is unavailable, TQLinear runs the torch reference on "
                           "CUDA (much slower than expected)", RuntimeWarning, stacklevel=2)
         w, rot = self.weight, self.rotation
-        t = self.col_scale
+        t, dtype = self.col_scale, x.dtype
         if t is not None:  # W = W' diag(t): x W^T = (x t) W'^T (tq_cli.quant.colscale)
-            x = x * t.to(x.dtype)
-        return dispatch.linear(x, rot.material() if rot is not None else None,
+            x = dispatch.scale_columns(x, t)
+        y = dispatch.linear(x, rot.material() if rot is not None else None,
                                rot.block if rot is not None else 0, w.codes, w.scales,
                                w.codebook, w.outlier_idx, w.outlier_val, self.bias,
                                bits=self.bits, group_size=self.group_size,
                                out_features=self.out_features, in_features=self.in_features)
+        return y if y.dtype == dtype else y.to(dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The weight in the original basis, float32 [out, in] (for export or debugging)."""

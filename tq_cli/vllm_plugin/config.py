@@ -374,9 +374,10 @@ def _tq_linear(x: torch.Tensor, key: str, out_features: int,
     # Column scales (tq_cli.quant.colscale): each part's own t scales x before its rotation.
     t = layer._parameters.get("tq_col_scale")
     if len(st.parts) == 1:  # one call: on CPU the native kernel also rotates (Hadamard)
-        xin = x * t[0].to(x.dtype) if t is not None else x
-        return dispatch.linear(xin, st.rotation, st.block, codes, scales, codebook[0], oidx,
-                               oval, bias, out_features=out_features, **kw)
+        xin = dispatch.scale_columns(x, t[0]) if t is not None else x
+        y1 = dispatch.linear(xin, st.rotation, st.block, codes, scales, codebook[0], oidx,
+                             oval, bias, out_features=out_features, **kw)
+        return y1.to(x.dtype)
     x_rot = (dispatch.rotate(x, st.rotation, st.block)
              if t is None and st.rotation is not None else x)
     ys = []
@@ -385,10 +386,10 @@ def _tq_linear(x: torch.Tensor, key: str, out_features: int,
         k0, k1 = st.outlier_starts[p], st.outlier_starts[p + 1]
         xp, rot, block = x_rot, None, 0
         if t is not None:
-            xp, rot, block = x * t[p].to(x.dtype), st.rotation, st.block
+            xp, rot, block = dispatch.scale_columns(x, t[p]), st.rotation, st.block
         ys.append(dispatch.linear(xp, rot, block, codes[o0:o1], scales[o0:o1], codebook[p],
                                   oidx[k0:k1], oval[k0:k1], None, out_features=o1 - o0, **kw))
-    y = torch.cat(ys, dim=-1)
+    y = torch.cat(ys, dim=-1).to(x.dtype)
     return y + bias.to(y.dtype) if bias is not None else y
 
 
