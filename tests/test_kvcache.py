@@ -296,7 +296,8 @@ def test_default_generate_cache_and_load_kv_bits(tiny_llama: Path, tmp_path: Pat
                                      cache=kv_cache(model, 4)).cache, TurboQuantCache)
     ck = tmp_path / "tq"
     convert(tiny_llama, ck, ConvertSpec())
-    with pytest.raises(UnsupportedError, match="KV cache settings"):
+    with pytest.raises(TqError, match=r"^tq_cli\.load: kv_bits: Input should be less than or "
+                                      "equal to 8$"):
         tq_cli.load(ck, device="cpu", kv_bits=12)
     loaded = tq_cli.load(ck, device="cpu", kv_bits=3.5)
     assert loaded.tq_kv_spec.key_bits == 4 and loaded.tq_kv_spec.value_bits == 3

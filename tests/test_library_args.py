@@ -15,19 +15,22 @@ from tq_cli.errors import TqError
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"kv_bits": "abc"},
-     "KV cache settings: bits: Input should be a valid number, unable to parse string as a "
+     "tq_cli.load: kv_bits: Input should be a valid number, unable to parse string as a "
      "number"),
-    ({"kv_bits": True}, "KV cache settings: bits: must be a number, got True"),
-    ({"kv_bits": 9}, "KV cache settings: bits must be between 1 and 8, got 9.0"),
+    ({"kv_bits": True}, "tq_cli.load: kv_bits: must be a number, got True"),
+    ({"kv_bits": 9}, "tq_cli.load: kv_bits: Input should be less than or equal to 8"),
     ({"kv_bits": 4, "kv_window": -1},
-     "KV cache settings: window: Input should be greater than or equal to 0"),
-    ({"kv_bits": 4, "kv_window": 2.5}, "KV cache settings: window: Input should be a valid "
+     "tq_cli.load: kv_window: Input should be greater than or equal to 0"),
+    ({"kv_bits": 4, "kv_window": 2.5}, "tq_cli.load: kv_window: Input should be a valid "
      "integer"),
-    ({"device": "tpu"}, "device 'tpu' is not one tq runs on; use cpu, cuda (or cuda:N) or auto"),
-    ({"device": 3.5}, "device 3.5 is not one tq runs on; use cpu, cuda (or cuda:N) or auto"),
-    ({"dtype": torch.int8}, "dtype torch.int8 is not one tq runs models in; use torch.float32, "
-     "torch.float16, torch.bfloat16 (or None for the default)"),
-    ({"verify_checksums": "no"}, "verify_checksums must be True or False, got 'no'"),
+    ({"device": "tpu"}, "tq_cli.load: device: 'tpu' is not one tq runs on; use cpu, cuda (or "
+     "cuda:N) or auto"),
+    ({"device": 3.5}, "tq_cli.load: device: 3.5 is not one tq runs on; use cpu, cuda (or "
+     "cuda:N) or auto"),
+    ({"dtype": torch.int8}, "tq_cli.load: dtype: torch.int8 is not one tq runs models in; use "
+     "torch.float32, torch.float16, torch.bfloat16 (or None for the default)"),
+    ({"verify_checksums": "no"}, "tq_cli.load: verify_checksums: Input should be a valid "
+     "boolean"),
 ])
 def test_load_refuses_bad_arguments_by_name(tmp_path: Path, kwargs: dict,
                                            message: str) -> None:
@@ -43,3 +46,14 @@ def test_kv_cache_refuses_bad_bits_by_name() -> None:
     with pytest.raises(TqError, match=r"^KV cache settings: bits: Input should be a valid "
                                       "number"):
         tq_cli.kv_cache(LlamaConfig(), bits="four")
+
+
+def test_convert_validates_a_spec_given_as_a_dict(small_folder: Path, tmp_path: Path) -> None:
+    from tq_cli.conversion.converter import convert
+
+    with pytest.raises(TqError) as e:
+        convert(small_folder, tmp_path / "out", {"quant": {"bits": 5}})  # type: ignore[arg-type]
+    assert str(e.value) == "tq_cli.convert: spec.quant: bits must be 2, 3, 4 or 8, got 5"
+    with pytest.raises(TqError, match=r"^tq_cli\.convert: source and out must be paths"):
+        convert(small_folder, 42)  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()

@@ -11,18 +11,34 @@ from tq_cli.errors import UnsupportedError
 Device = Literal["auto", "cpu", "cuda"]
 
 
+def check_device(device: object) -> str | torch.device | None:
+    """`device` if tq can run on it (None, "auto", cpu, cuda, cuda:N or such a
+    torch.device), else ValueError naming what to use; CUDA's presence is checked by
+    `resolve_device`."""
+    if device is None:
+        return None
+    if device == "auto":
+        return "auto"
+    try:
+        dev = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{device!r} is not one tq runs on; use cpu, cuda (or cuda:N) "
+                         "or auto")
+    return device if isinstance(device, str) else dev
+
+
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     """"auto" (or None) picks CUDA when there is one, else the CPU; "cuda" without a
     CUDA device is an error that says what to pass instead."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise UnsupportedError(f"device {device!r} is not one tq runs on; use cpu, cuda "
-                               "(or cuda:N) or auto")
+        check_device(device)
+    except ValueError as e:
+        raise UnsupportedError(f"device {e}") from None
+    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError("device 'cuda' was asked for, but no CUDA device is "
                                "available; use device cpu or auto")

@@ -18,12 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from tq_cli.conversion.finish import finish
 from tq_cli.conversion.pipeline import Finished, stream
 from tq_cli.conversion.spec import ConvertResult, ConvertSpec
 from tq_cli.device import resolve_device
-from tq_cli.errors import CorruptFileError, OutputError, SourceError, TqError, UnsupportedError
+from tq_cli.errors import (
+    CorruptFileError,
+    OutputError,
+    SourceError,
+    TqError,
+    UnsupportedError,
+    first_error,
+)
 from tq_cli.io.format import GUARD, GUARD_SHAPE, ROTATION_PREFIX
 from tq_cli.io.manifest import write_json
 from tq_cli.io.output import (
@@ -55,7 +63,18 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
             progress: ProgressFn | None = None,
             log: Callable[[str], None] | None = None) -> ConvertResult:
     """Convert SOURCE (folder or hub id) into a TurboQuant checkpoint at OUT."""
-    spec = spec or ConvertSpec()
+    if spec is None:
+        spec = ConvertSpec()
+    elif not isinstance(spec, ConvertSpec):  # a dict, as the CLI builds one: same checks
+        try:
+            spec = ConvertSpec.model_validate(spec)
+        except ValidationError as e:
+            where, what = first_error(e)
+            raise TqError(f"tq_cli.convert: spec{'.' + where if where else ''}: {what}") \
+                from None
+    if not isinstance(source, str | os.PathLike) or not isinstance(out, str | os.PathLike):
+        raise TqError("tq_cli.convert: source and out must be paths (or a hub id for "
+                      f"source), got {type(source).__name__} and {type(out).__name__}")
     out = Path(out).expanduser()
     with output_lock(out), contextlib.ExitStack() as scratch:
         return _convert(source, out, spec, on_plan, progress, log, scratch)

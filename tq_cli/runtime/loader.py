@@ -13,12 +13,22 @@ import json
 import logging
 import os
 from collections import Counter
+from typing import Annotated, Any
 
 import torch
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+)
 from torch import nn
 
-from tq_cli.device import resolve_device
-from tq_cli.errors import CorruptFileError, TqError
+from tq_cli.device import check_device, resolve_device
+from tq_cli.errors import CorruptFileError, TqError, first_error
 from tq_cli.io.checkpoint import SKIP_CHECKSUMS, check_checkpoint
 from tq_cli.io.format import converted_entries
 from tq_cli.io.source import resolve_source
@@ -28,6 +38,41 @@ from tq_kernels import cpu as cpu_kernel
 
 log = logging.getLogger("tq")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    if value is None or (isinstance(value, torch.dtype) and value in DTYPES):
+        return value
+    raise ValueError(f"{value!r} is not one tq runs models in; use "
+                     f"{', '.join(str(d) for d in DTYPES)} (or None for the default)")
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, got {value!r}")
+    return value
+
+
+class LoadSpec(BaseModel):
+    """`load`'s arguments, validated before anything is read, with the same rules as the
+    CLI's (the device of `tq_cli.device`, the KV settings of `KVSpec`): a bad value is one
+    TqError naming the argument."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    device: Annotated[Any, BeforeValidator(check_device)] = None
+    dtype: Annotated[Any, BeforeValidator(_dtype)] = None
+    verify_checksums: StrictBool = True
+    kv_bits: Annotated[float | None, BeforeValidator(_no_bool)] = Field(None, ge=1, le=8)
+    kv_window: StrictInt = Field(128, ge=0)
+
+
+def _checked(**args: Any) -> LoadSpec:
+    try:
+        return LoadSpec(**args)
+    except ValidationError as e:
+        where, what = first_error(e)
+        raise TqError(f"tq_cli.load: {where}: {what}") from None
 
 
 def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | None = None,
@@ -40,20 +85,17 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
     kv_bits: when given, `generate()` uses a TurboQuant KV cache at these bits (with
     `kv_window` recent tokens in full precision) unless it is passed a cache.
     """
-    dev = resolve_device(device)
-    if dtype is not None and dtype not in DTYPES:
-        raise TqError(f"dtype {dtype!r} is not one tq runs models in; use "
-                      f"{', '.join(str(d) for d in DTYPES)} (or None for the default)")
-    if not isinstance(verify_checksums, bool):
-        raise TqError(f"verify_checksums must be True or False, got {verify_checksums!r}")
-    dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
+    args = _checked(device=device, dtype=dtype, verify_checksums=verify_checksums,
+                    kv_bits=kv_bits, kv_window=kv_window)
+    dev = resolve_device(args.device)
+    dtype = args.dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     kv_spec = None
-    if kv_bits is not None:  # checked before any loading
+    if args.kv_bits is not None:  # checked before any loading
         from tq_cli.kvcache.cache import make_spec
 
-        kv_spec = make_spec(kv_bits, kv_window)
+        kv_spec = make_spec(args.kv_bits, args.kv_window)
     folder = resolve_source(path_or_hub_id)
-    ck = check_checkpoint(folder, verify_checksums)
+    ck = check_checkpoint(folder, args.verify_checksums)
     try:
         from tq_cli.runtime.hf_quantizer import register
     except ImportError as e:
@@ -62,7 +104,7 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
 
     config = json.loads((folder / "config.json").read_text())
     cls = model_class(config)
-    token = SKIP_CHECKSUMS.set(not verify_checksums)  # the quantizer checks the folder too
+    token = SKIP_CHECKSUMS.set(not args.verify_checksums)  # the quantizer checks the folder too
     try:
         model = cls.from_pretrained(folder, dtype=dtype)
     finally:
