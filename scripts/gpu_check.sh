@@ -2,14 +2,28 @@
 # One GPU check (a few minutes on one H200): install, run the GPU-marked tests, then the
 # full benchmark on CUDA (kernels under CUDA graphs against F.linear fp16, with GB/s
 # against the device's bandwidth; conversion on the GPU). Results go to ${OUT:-gpu-results}.
+#
+# The lent GPU machine reaches no package index; it has python3 with torch, triton and
+# transformers. Run scripts/gpu_wheels.sh here first and carry gpu-wheels/ with the tree:
+# tq and the rest of its dependencies are then installed from it into a venv that sees
+# the system's torch. Without gpu-wheels/ this falls back to `make install`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-results}"
 mkdir -p "$out"
-make install
-.venv/bin/python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-.venv/bin/python -m pytest -q -m gpu tests 2>&1 | tee "$out/gpu_tests.txt"
-.venv/bin/tq bench --device cuda --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.txt"
+if [ -d gpu-wheels ]; then
+  python3 -m venv --system-site-packages .venv-gpu
+  .venv-gpu/bin/python -m pip install -q --no-index --find-links gpu-wheels tq pytest \
+    hypothesis
+  PY=.venv-gpu/bin/python
+else
+  make install
+  PY=.venv/bin/python
+fi
+TQ="$PY -m tq_cli"
+$PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+$PY -m pytest -q -m gpu tests 2>&1 | tee "$out/gpu_tests.txt"
+$TQ bench --device cuda --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.txt"
 
 # vLLM on CUDA (tests/test_vllm.py: tq tokens = tq_cli.load tokens, TP=2 = TP=1 when two
 # GPUs are visible, the refusals). scripts/vllm_env.sh installs vLLM's CUDA build into
@@ -27,14 +41,14 @@ fi
 # Llama-3.2-1B-shaped model (4 layers; no download needed), converted on CUDA and on this
 # machine's CPUs, each against a plain safetensors load+save of the same shards, with the
 # child's peak RSS; then tq's conversion tests on CUDA tensors.
-.venv/bin/python scripts/bench_convert.py --synthetic llama-3.2-1b --layers 4 --device cuda \
+$PY scripts/bench_convert.py --synthetic llama-3.2-1b --layers 4 --device cuda \
   --json "$out/convert-cuda.json" 2>&1 | tee "$out/convert-cuda.txt"
-.venv/bin/python scripts/bench_convert.py --synthetic llama-3.2-1b --layers 4 --device cpu \
+$PY scripts/bench_convert.py --synthetic llama-3.2-1b --layers 4 --device cpu \
   --json "$out/convert-cpu.json" 2>&1 | tee "$out/convert-cpu.txt"
-.venv/bin/python -m pytest -q tests/test_native_fit.py -k cuda 2>&1 | tee "$out/fit_cuda_tests.txt"
+$PY -m pytest -q tests/test_native_fit.py -k cuda 2>&1 | tee "$out/fit_cuda_tests.txt"
 # GPTQ (the default conversion's fit) on the GPU against the native CPU loop: one
 # Llama-3-8B-sized layer (4096 x 4096) with a random Hessian, seconds per solve.
-.venv/bin/python - <<'EOF' 2>&1 | tee "$out/gptq_cuda.txt"
+$PY - <<'EOF' 2>&1 | tee "$out/gptq_cuda.txt"
 import time, torch
 from tq_cli.quant import gptq
 from tq_cli.quant.rotation import make_rotation
@@ -51,6 +65,6 @@ EOF
 # KV cache attention on the codes: the Triton kernels against the torch reference on CUDA,
 # then decode time per token against transformers' DynamicCache at 2k, 8k and 32k tokens
 # (random SmolLM2-shaped model, cache bytes read per step against the copy rate).
-.venv/bin/python -m pytest -q tests/test_kv_triton.py 2>&1 | tee "$out/kv_triton_tests.txt"
-.venv/bin/tq bench --device cuda --section kv --json "$out/bench-kv-cuda.json" 2>&1 \
+$PY -m pytest -q tests/test_kv_triton.py 2>&1 | tee "$out/kv_triton_tests.txt"
+$TQ bench --device cuda --section kv --json "$out/bench-kv-cuda.json" 2>&1 \
     | tee "$out/bench-kv-cuda.txt"
