@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tq_cli.bench.metrics import cpu_copy_bandwidth_gb_s
 from tq_kernels import kv, kv_reference
 from tq_kernels.packing import pack_codes, packed_row_bytes, unpack_codes
 
@@ -56,14 +57,6 @@ def samples(fn: Callable[[], object], budget: float, min_reps: int = 5) -> list[
         if len(times) >= 10_000:
             break
     return times
-
-
-def copy_bandwidth(mbytes: int = 256) -> float:
-    """Bytes per second (read + written) of torch's copy_ of an `mbytes` MB buffer."""
-    src = torch.ones(mbytes << 18, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    seconds = timed(lambda: dst.copy_(src), budget=1.0, min_reps=5)
-    return 2 * src.numel() * 4 / seconds
 
 
 class Codec:
@@ -172,7 +165,7 @@ def main() -> None:
     copy_bw = 0.0
     for threads in (int(n) for n in args.threads.split(",")):
         torch.set_num_threads(threads)
-        copy_bw = copy_bandwidth()
+        copy_bw = cpu_copy_bandwidth_gb_s() * 1e9
         for t in (int(n) for n in args.lengths.split(",")):
             for row in bench(t, copy_bw, args.budget, methods):
                 row["copy_bytes_per_s"] = copy_bw

@@ -39,26 +39,33 @@ def _model(kind: str = "llama", head_dim: int = 32, heads: int = 4, kv_heads: in
 
 @torch.no_grad()
 def _decode(model: Any, cache: Any, ids: torch.Tensor, steps: int,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits of `steps` greedy decode steps after a prefill of `ids`."""
+            mask: torch.Tensor | None = None,
+            fed: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits of `steps` decode steps after a prefill of `ids`, and the tokens fed: the
+    greedy ones, or `fed` (so two paths read the same tokens even where a near tie would
+    make their argmax differ)."""
     out = model(ids, cache=cache, use_cache=True, attention_mask=mask)
     nxt = out.logits[:, -1:].argmax(-1)
-    logits = []
-    for _ in range(steps):
+    logits, tokens = [], []
+    for i in range(steps):
+        if fed is not None:
+            nxt = fed[i]
+        tokens.append(nxt)
         if mask is not None:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         o = model(nxt, cache=cache, use_cache=True, attention_mask=mask)
         logits.append(o.logits)
         nxt = o.logits[:, -1:].argmax(-1)
-    return torch.cat(logits, 1)
+    return torch.cat(logits, 1), tokens
 
 
 def _both(model: Any, ids: torch.Tensor, steps: int = 6, mask: torch.Tensor | None = None,
           **opts: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    ref = _decode(model, tq_cli.kv_cache(model, code_attention=False, **opts), ids, steps, mask)
+    ref, fed = _decode(model, tq_cli.kv_cache(model, code_attention=False, **opts), ids,
+                       steps, mask)
     cache = tq_cli.kv_cache(model, code_attention=True, **opts)
     assert cache.code_attention and model.config._attn_implementation == attend.NAME
-    return ref, _decode(model, cache, ids, steps, mask)
+    return ref, _decode(model, cache, ids, steps, mask, fed)[0]
 
 
 def _close(ref: torch.Tensor, got: torch.Tensor) -> None:

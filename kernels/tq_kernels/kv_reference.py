@@ -24,14 +24,13 @@ from tq_kernels.packing import packed_row_bytes, unpack_codes
 def _levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     """float32 [B, H, T, d]: the codebook value of every code."""
     b, h, t, nbytes = codes.shape
-    if nbytes != packed_row_bytes(d, bits):
-        raise ValueError(f"codes have {nbytes} bytes per token, {bits}-bit codes of {d} "
-                         f"coordinates need {packed_row_bytes(d, bits)}")
     idx = unpack_codes(codes.reshape(-1, nbytes), bits, d).long()
     return levels.float()[idx].reshape(b, h, t, d)
 
 
-def _check(q_or_p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+def check(q_or_p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+          levels: torch.Tensor, bits: int, d: int) -> None:
+    """The inputs' shapes and types, as every implementation checks them (ValueError)."""
     if q_or_p.dim() != 4 or codes.dim() != 4 or scale.dim() != 3:
         raise ValueError("expected q/p [B, H, G, *], codes [B, H, T, bytes], scale [B, H, T]")
     if codes.dtype != torch.uint8:
@@ -39,12 +38,23 @@ def _check(q_or_p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> No
     if codes.shape[:3] != scale.shape or q_or_p.shape[:2] != codes.shape[:2]:
         raise ValueError(f"shapes do not agree: {tuple(q_or_p.shape)}, {tuple(codes.shape)}, "
                          f"{tuple(scale.shape)}")
+    if d < 1:
+        raise ValueError(f"d must be positive, got {d}")
+    nbytes = codes.shape[-1]
+    if nbytes != packed_row_bytes(d, bits):
+        raise ValueError(f"codes have {nbytes} bytes per token, {bits}-bit codes of {d} "
+                         f"coordinates need {packed_row_bytes(d, bits)}")
+    if levels.dim() != 1 or levels.numel() < 2 ** bits:
+        raise ValueError(f"levels must be a vector of {2 ** bits} values, got "
+                         f"{tuple(levels.shape)}")
+    if q_or_p.shape[2] < 1:
+        raise ValueError("G (query heads per KV head) must be at least 1")
 
 
 def score_codes(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                 levels: torch.Tensor, bits: int) -> torch.Tensor:
     """float32 [B, H, G, T]: |s_t| <q_g, L[codes_t]> (see the module docstring)."""
-    _check(q, codes, scale)
+    check(q, codes, scale, levels, bits, q.shape[-1])
     lv = _levels(codes, levels, bits, q.shape[-1])
     out = torch.einsum("bhgd,bhtd->bhgt", q.float(), lv)
     return out * scale.float().abs()[:, :, None, :]
@@ -53,7 +63,7 @@ def score_codes(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 def accumulate_codes(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                      levels: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     """float32 [B, H, G, d]: sum_t p_t |s_t| L[codes_t] (see the module docstring)."""
-    _check(p, codes, scale)
+    check(p, codes, scale, levels, bits, d)
     if p.shape[-1] != codes.shape[2]:
         raise ValueError(f"p has {p.shape[-1]} tokens, codes {codes.shape[2]}")
     lv = _levels(codes, levels, bits, d)

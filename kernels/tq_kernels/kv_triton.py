@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tq_kernels.packing import PLANES, packed_row_bytes, padded_length
+from tq_kernels import kv_reference
+from tq_kernels.packing import PLANES, padded_length
 
 # Programs the split-T accumulate aims to launch before splitting stops paying off; a
 # function of the shapes only (never of the device), so results do not depend on the GPU.
@@ -141,26 +142,9 @@ def _sum_splits_kernel(part_ptr, out_ptr, N, S, BLOCK: tl.constexpr):
 def _check(q_or_p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
            levels: torch.Tensor, bits: int, d: int) -> tuple[int, int, int]:
     """Validate as the reference does; return the bit-plane widths (W0, W1, W2)."""
-    if q_or_p.dim() != 4 or codes.dim() != 4 or scale.dim() != 3:
-        raise ValueError("expected q/p [B, H, G, *], codes [B, H, T, bytes], scale [B, H, T]")
-    if codes.dtype != torch.uint8:
-        raise ValueError(f"codes must be uint8, got {codes.dtype}")
-    if codes.shape[:3] != scale.shape or q_or_p.shape[:2] != codes.shape[:2]:
-        raise ValueError(f"shapes do not agree: {tuple(q_or_p.shape)}, {tuple(codes.shape)}, "
-                         f"{tuple(scale.shape)}")
     if bits not in PLANES or len(PLANES[bits]) > 3:
         raise NotImplementedError(f"kv_triton: {bits}-bit codes are not supported")
-    if d < 1:
-        raise ValueError(f"d must be positive, got {d}")
-    nbytes = codes.shape[-1]
-    if nbytes != packed_row_bytes(d, bits):
-        raise ValueError(f"codes have {nbytes} bytes per token, {bits}-bit codes of {d} "
-                         f"coordinates need {packed_row_bytes(d, bits)}")
-    if levels.dim() != 1 or levels.numel() < 2 ** bits:
-        raise ValueError(f"levels must be a vector of {2 ** bits} values, got "
-                         f"{tuple(levels.shape)}")
-    if q_or_p.shape[2] < 1:
-        raise ValueError("G (query heads per KV head) must be at least 1")
+    kv_reference.check(q_or_p, codes, scale, levels, bits, d)
     planes = (*PLANES[bits], 0, 0)
     return planes[0], planes[1], planes[2]
 

@@ -26,7 +26,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tq_cli.bench.metrics import Metric, geomean, memory_bandwidth_gb_s
+from tq_cli.bench.metrics import (
+    Metric,
+    cpu_copy_bandwidth_gb_s,
+    geomean,
+    memory_bandwidth_gb_s,
+)
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import RotationSpec
 from tq_kernels import cpu, dispatch
@@ -96,21 +101,6 @@ def _graph_time_us(fn: Callable[[], object], reps: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1000)
     return statistics.median(times)
-
-
-def cpu_copy_bandwidth_gb_s(mib: int = 256, reps: int = 5) -> float:
-    """Bytes read + written per second by the fastest of `reps` large tensor copies."""
-    src = torch.ones(mib << 18)  # float32: mib MiB
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
-    return 2 * src.numel() * 4 / best / 1e9
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def _operands(out_f: int, in_f: int, bits: int, device: torch.device,

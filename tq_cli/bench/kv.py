@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tq_cli.bench.metrics import Metric
+from tq_cli.bench.metrics import Metric, cpu_copy_bandwidth_gb_s, memory_bandwidth_gb_s
 
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, HEADS, FFN = 30, 3, 64, 576, 9, 1536
 WINDOW = 128
@@ -128,27 +128,14 @@ def _decode_times(model: Any, context: int, steps: int, device: torch.device,
     return labels, [statistics.median(x) for x in times], nbytes
 
 
-def copy_bandwidth(device: torch.device, mbytes: int = 256) -> float:
-    """Bytes per second a plain copy of a large buffer moves (read + write)."""
-    a = torch.empty(mbytes << 18, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / best
-
-
 def decode_rows(device: torch.device, quick: bool,
                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     from transformers import LlamaForCausalLM
 
     layers, contexts, steps = DECODE["quick" if quick else "full"]
-    bandwidth = copy_bandwidth(device)
+    # what a large copy moves here (CPU), or the device's theoretical peak (CUDA)
+    bandwidth = ((memory_bandwidth_gb_s(device) or 0.0) if device.type == "cuda"
+                 else cpu_copy_bandwidth_gb_s())
     rows = []
     for context in contexts:
         if progress:
@@ -163,7 +150,7 @@ def decode_rows(device: torch.device, quick: bool,
                          "vs_dynamic": us / med[0], "overhead": us / med[0] - 1,
                          "cache_bytes_per_step": nb,
                          "cache_gb_s": nb / (us / 1e6) / 1e9,
-                         "copy_gb_s": bandwidth / 1e9})
+                         "copy_gb_s": bandwidth})
     return rows
 
 

@@ -179,3 +179,18 @@ def memory_bandwidth_gb_s(device: torch.device) -> float | None:
     if not clock_khz or not bus_bits:
         return None
     return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # double data rate
+
+
+def cpu_copy_bandwidth_gb_s(mib: int = 256, reps: int = 5) -> float:
+    """Bytes read + written per second by the fastest of `reps` large tensor copies."""
+    import time
+
+    src = torch.ones(mib << 18)  # float32: mib MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9

@@ -128,7 +128,7 @@ def check_flags(ctx: typer.Context) -> Mode:
     return mode
 
 
-def items(text: str | None, flag: str = "") -> tuple[str, ...]:
+def items(text: str | None, flag: str) -> tuple[str, ...]:
     """'4, 3.5,' -> ('4', '3.5'); an empty item between two others ('4,,3') is refused
     (exit 2) as search-seed refuses '1,,2': a typo, not a request."""
     parts = [x.strip() for x in (text or "").split(",")]

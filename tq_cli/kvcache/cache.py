@@ -214,7 +214,6 @@ def enable_code_attention(model: Any) -> bool:
         return False
     register()
     if model.config._attn_implementation != NAME:
-        model.config._tq_attn_before = model.config._attn_implementation
         model.set_attn_implementation(NAME)
     return True
 

@@ -32,6 +32,7 @@ from tq_cli.errors import CorruptFileError, TqError, first_error
 from tq_cli.io.checkpoint import SKIP_CHECKSUMS, check_checkpoint
 from tq_cli.io.format import converted_entries
 from tq_cli.io.source import resolve_source
+from tq_cli.kvcache.spec import MAX_BITS, MIN_BITS
 from tq_cli.runtime.hf_models import model_class
 from tq_cli.runtime.tq_linear import TQLinear
 from tq_kernels import cpu as cpu_kernel
@@ -63,7 +64,8 @@ class LoadSpec(BaseModel):
     device: Annotated[Any, BeforeValidator(check_device)] = None
     dtype: Annotated[Any, BeforeValidator(_dtype)] = None
     verify_checksums: StrictBool = True
-    kv_bits: Annotated[float | None, BeforeValidator(_no_bool)] = Field(None, ge=1, le=8)
+    kv_bits: Annotated[float | None, BeforeValidator(_no_bool)] = Field(None, ge=MIN_BITS,
+                                                                          le=MAX_BITS)
     kv_window: StrictInt = Field(128, ge=0)
 
 
