@@ -87,6 +87,25 @@ def test_code_attention_gives_the_decoding_paths_logits(opts: dict) -> None:
     _close(ref, got)
 
 
+@pytest.mark.parametrize("listed", [True, False])
+def test_keys_coded_uncentered_listed_or_checked(monkeypatch: pytest.MonkeyPatch,
+                                                 listed: bool) -> None:
+    """Keys centered before RoPE: the mean term is taken back for each token coded as it
+    was, whether the cache lists those tokens or attention checks every stored norm."""
+    import tq_cli.kvcache.layers as layers
+
+    monkeypatch.setattr(layers, "_listed", lambda n, length: listed)
+    model = _model()
+    ids = torch.randint(0, 200, (2, 90), generator=torch.Generator().manual_seed(1))
+    cache = tq_cli.kv_cache(model, bits=3.5, window=16, code_attention=True)
+    model(ids, cache=cache, use_cache=True)
+    k = cache.layers[0].streams[0]
+    assert 0 < len(k.uncentered) < k.store.length  # both kinds of token are in view
+    coded = k.coded()
+    assert (coded.uncentered is not None) == listed
+    _close(*_both(model, ids, bits=3.5, window=16))
+
+
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads"),
                          [(64, 2, 2), (128, 4, 1), (256, 2, 1), (16, 8, 1)])
 def test_head_dims_and_gqa_ratios(head_dim: int, heads: int, kv_heads: int) -> None:

@@ -19,7 +19,7 @@ from tq_cli.evaluation.spec import KVEvalSpec
 from tq_cli.kvcache.cache import TurboQuantCache, fill_from, kv_cache, make_spec, use_kv_cache
 from tq_cli.kvcache.codebook import distortion, sphere_codebook
 from tq_cli.kvcache.codec import StreamCodec
-from tq_cli.kvcache.layers import TurboQuantLayer, TurboQuantSlidingLayer
+from tq_cli.kvcache.layers import TurboQuantLayer, TurboQuantSlidingLayer, encode_block
 from tq_cli.kvcache.spec import KVSpec, resolve_bits
 from tq_cli.quant.codebook import lloyd_max_gaussian
 from tq_kernels.packing import packed_row_bytes
@@ -189,6 +189,32 @@ def test_tokens_are_encoded_once_and_never_requantized(monkeypatch: pytest.Monke
     for k, v in first.items():
         assert torch.equal(later[k][:, :, :v.shape[2]], v)  # stored codes untouched
     assert torch.equal(layer.streams[0].sinks, layer.streams[0].sinks)
+
+
+@torch.no_grad()
+def test_decode_steps_encode_tokens_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama_model(layers=1)
+    encoded: list[int] = []
+    original = StreamCodec.encode
+
+    def counting(self: StreamCodec, x: torch.Tensor, order: Any) -> Any:
+        encoded.append(x.shape[2])
+        return original(self, x, order)
+
+    monkeypatch.setattr(StreamCodec, "encode", counting)
+    assert encode_block(24) == 3 and encode_block(128) == encode_block(4096) == 16
+    assert encode_block(8) == encode_block(0) == 1
+    cache = kv_cache(model, bits=3, window=24, sinks=2)
+    model(IDS[:, :10], cache=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert isinstance(layer, TurboQuantLayer) and layer.streams is not None
+    for t in range(10, 40):
+        model(IDS[:, t:t + 1], cache=cache, use_cache=True)
+        recent = layer.streams[0].recent.shape[-2]
+        # the window fills to 24, then holds 24..26 tokens; codes leave it 3 at a time
+        assert min(t + 1 - 2, 24) <= recent <= 26
+        assert layer.streams[0].store.length + recent + 2 == t + 1
+    assert set(encoded) == {3} and sum(encoded) == 2 * layer.streams[0].store.length
 
 
 @torch.no_grad()

@@ -14,6 +14,8 @@ TurboQuant cache; the same decode steps run through each, alternately, and the
 per-token medians are compared, with the bytes of cache each step reads against the
 machine's measured copy bandwidth. TurboQuant caches attend on the codes
 (`kvcache.attend`); one 3.5-bit cache decodes its codes first, the reference path.
+Where the kv-compare extra is installed, transformers' 4-bit QuantizedCache (quanto,
+HQQ) is timed beside them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,32 @@ def _filled(model: Any, context: int, device: torch.device) -> Any:
     return cache
 
 
+def _installed_backends() -> list[str]:
+    """transformers' QuantizedCache backends installed here (the kv-compare extra)."""
+    from tq_cli.errors import UnsupportedError
+    from tq_cli.evaluation.kv_baselines import BACKENDS, check_backend
+
+    found = []
+    for backend in BACKENDS:
+        try:
+            check_backend(backend)
+        except UnsupportedError:
+            continue
+        found.append(backend)
+    return found
+
+
+def _hf_filled(model: Any, backend: str, ref: Any) -> Any:
+    """transformers' QuantizedCache (4 bits, groups of 64, a residual of WINDOW tokens
+    like tq's window) holding the tokens of `ref`."""
+    from tq_cli.evaluation.kv_baselines import hf_quantized_cache
+
+    cache = hf_quantized_cache(model, backend, 4, WINDOW)
+    for i, layer in enumerate(ref.layers):
+        cache.update(layer.keys, layer.values, i)
+    return cache
+
+
 def _bytes_per_step(cache: Any, context: int, layers: int, element_bytes: int) -> float:
     """Bytes of cached keys and values a decode step reads: all of them."""
     from tq_cli.kvcache.cache import TurboQuantCache
@@ -91,6 +119,10 @@ def _bytes_per_step(cache: Any, context: int, layers: int, element_bytes: int) -
     if isinstance(cache, TurboQuantCache):
         m = cache.memory()
         return float(m["code_bytes"] + m["full_bytes"])
+    if hasattr(cache.layers[0], "nbits"):  # QuantizedCache: codes, scales and residual
+        from tq_cli.evaluation.kv_baselines import hf_cache_bits
+
+        return 2 * layers * KV_HEADS * context * HEAD_DIM * hf_cache_bits(cache) / 8
     return float(2 * layers * KV_HEADS * context * HEAD_DIM * element_bytes)
 
 
@@ -115,6 +147,9 @@ def _decode_times(model: Any, context: int, steps: int, device: torch.device,
     caches += [fill_from(kv_cache(model, bits=b, window=WINDOW), ref) for b in BITS]
     caches.append(fill_from(kv_cache(model, bits=3.5, window=WINDOW, code_attention=False),
                             ref))
+    for backend in _installed_backends():
+        labels.append(f"QuantizedCache {backend} 4-bit")
+        caches.append(_hf_filled(model, backend, ref))
     nbytes = [_bytes_per_step(c, context, model.config.num_hidden_layers,
                               model.dtype.itemsize) for c in caches]
     times: list[list[float]] = [[] for _ in caches]
@@ -169,7 +204,8 @@ def run(device: torch.device, quick: bool, progress: Callable[[str], None] | Non
     for r in decode_rows(device, quick, progress):
         rows.append(r)
         if r["cache"] != "DynamicCache":
-            tag = r["cache"].removeprefix("turboquant ").replace(", decoding first", ".decoding")
+            tag = r["cache"].removeprefix("turboquant ").replace(", decoding first", ".decoding") \
+                .replace("QuantizedCache ", "hf.").replace(" ", ".")
             name = f"kv.decode.{r['context']}.{tag}.vs_dynamic"
             # Ratios from the same run; reported, not gated: a few steps on a shared CPU
             # move too much for a gate.

@@ -52,6 +52,9 @@ class CodedStream:
     order: torch.Tensor | None  # [H, d] channel order of a fractional-bit split
     mean: torch.Tensor | None  # [1, H, 1, d] what coded tokens were taken from
     rope: RotaryAngles | None  # keys centered before RoPE: the mean turns with position
+    # keys centered before RoPE: the tokens (indices in this view) some row coded as it
+    # was, its stored norm negative; None: any may be
+    uncentered: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -142,9 +145,16 @@ def coded_scores(q: torch.Tensor, s: CodedStream) -> torch.Tensor:
         out += ops.score_codes((q @ codec.sketch.s.T) * c, enc["qjl"], enc["qjl_norm"],
                                _PM1.to(q.device), 1)
     if s.mean is not None:
-        if s.rope is not None:  # per token: coded centered (norm's sign +) or as it was
+        if s.rope is not None:
             f = mean_scores(q, s.mean, s.rope, s.start, s.length)
-            out += f.masked_fill_(_uncentered(enc)[:, :, None, :], 0.0)
+            cols = s.uncentered  # per token: coded centered (norm's sign +) or as it was
+            if cols is None:
+                f.mul_(_uncentered(enc).logical_not_()[:, :, None, :])
+            elif cols.numel():  # only these few: take the term back where it was not added
+                name = "norm" if "norm" in enc else "norm_hi"
+                taken = torch.signbit(enc[name].index_select(2, cols))[:, :, None, :]
+                f.index_add_(-1, cols, f.index_select(-1, cols) * taken, alpha=-1)
+            out += f
         else:
             out += (q * s.mean.float()).sum(-1, keepdim=True)
     return out

@@ -2,7 +2,8 @@
 
 A layer holds, per stream: the first `sinks` tokens and the most recent `window` tokens in
 full precision, and every other token as codes (`kvcache.codec`) in a `TokenStore`.
-A token is encoded exactly once, when it leaves the window, and its codes are never
+A token is encoded exactly once, when it leaves the window (in blocks of up to 16 tokens,
+`encode_block`: one encode per block of decode steps), and its codes are never
 re-quantized (transformers' own `QuantizedLayer` re-quantizes its whole cache each time
 its residual fills, which compounds error). Tokens given to an `update` are returned at
 full precision in that forward (they are in memory anyway); from the next forward on, a
@@ -16,6 +17,7 @@ layers (Gemma 2/3 style) when the cache is asked to quantize them: it keeps the 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +78,21 @@ class CodecBank:
         return sum(c.material_bytes() for c in self.codecs.values())
 
 
+def encode_block(window: int) -> int:
+    """Tokens leave the window in blocks of this many (an eighth of the window, at most
+    16): the window holds window..window + block - 1 full-precision tokens, and a decode
+    step encodes a block every block steps instead of one token each step. Each token is
+    still encoded once; a token waits at most block - 1 steps longer in full precision."""
+    return max(1, min(16, window // 8))
+
+
+def _listed(n: int, length: int) -> bool:
+    """Whether code attention gets the n keys of `length` coded ones that were coded
+    uncentered as a list to correct (few: a real model's first tokens) rather than
+    checking every token's norm (random keys take about half uncentered)."""
+    return n <= max(16, length // 16)
+
+
 class _Stream:
     """One stream (keys or values) of one layer: sinks, codes, recent window."""
 
@@ -91,6 +108,10 @@ class _Stream:
         self.order: torch.Tensor | None = None  # channel order of a fractional-bit split
         self.mean: torch.Tensor | None = None  # per-head offset coded vectors are taken from
         self.fitted = False  # order and mean chosen (once, at the first tokens coded)
+        # positions (ascending) of coded keys some row took as they were (their norms
+        # stored negative): usually none past the sinks, and then code attention skips
+        # the per-token correction
+        self.uncentered: list[int] = []
         self.err = 0.0  # sum of squared reconstruction errors of encoded tokens
         self.energy = 0.0  # and of their squared norms
 
@@ -126,8 +147,14 @@ class _Stream:
     def coded(self) -> CodedStream:
         """The coded tokens as they are stored, for attention on the codes."""
         assert isinstance(self.codec, StreamCodec)
+        lo = bisect.bisect_left(self.uncentered, self.store_pos)
+        hi = bisect.bisect_left(self.uncentered, self.store_pos + self.store.length)
+        cols = None  # many (random keys): every token is checked
+        if _listed(hi - lo, self.store.length):
+            cols = torch.tensor(self.uncentered[lo:hi], dtype=torch.long,
+                                device=self.recent.device) - self.store_pos
         return CodedStream(self.codec, self.store.view(), self.store_pos, self.order,
-                           self.mean, self.rope)
+                           self.mean, self.rope, cols)
 
     def visible(self, new: torch.Tensor) -> torch.Tensor:
         """Every cached token in order (codes decoded), then the new ones."""
@@ -149,7 +176,7 @@ class _Stream:
             pos += min(free, x.shape[-2])
             x = x[..., free:, :]
         overflow = x.shape[-2] - window
-        if overflow > 0:
+        if overflow >= encode_block(window):
             self._encode(x[..., :overflow, :], x, pos, center, measure)
             x = x[..., overflow:, :]
         self.recent = x.contiguous()
@@ -180,6 +207,9 @@ class _Stream:
             enc = self.codec.encode(torch.where(use[..., None], res, old.float()), self.order)
             name = _norm_name(enc)
             enc[name] = torch.where(use, enc[name], -enc[name])
+            taken = (~use).flatten(0, 1).any(0)  # [tokens]: some row took it as it was
+            if bool(taken.any()):
+                self.uncentered += (taken.nonzero().flatten() + pos).tolist()
         else:
             enc = self.codec.encode(self._centered(old, pos), self.order)
         self.store.append(enc)
@@ -198,6 +228,8 @@ class _Stream:
         self.recent = self.recent[..., :self.recent.shape[-2] - take, :]
         coded = min(n - take, self.store.length)
         self.store.drop_back(coded)
+        del self.uncentered[bisect.bisect_left(self.uncentered,
+                                               self.store_pos + self.store.length):]
         self.sinks = self.sinks[..., :self.sinks.shape[-2] - (n - take - coded), :]
 
     def drop_front(self, n: int) -> None:
@@ -205,6 +237,7 @@ class _Stream:
         coded = min(n, self.store.length)
         self.store.drop_front(coded)
         self.store_pos += coded
+        del self.uncentered[:bisect.bisect_left(self.uncentered, self.store_pos)]
         self.recent = self.recent[..., n - coded:, :]
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor],
