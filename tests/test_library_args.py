@@ -48,6 +48,43 @@ def test_kv_cache_refuses_bad_bits_by_name() -> None:
         tq_cli.kv_cache(LlamaConfig(), bits="four")
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"bits": 3.5, "sinks": -1}, "KV cache settings: sinks: Input should be greater than or "
+     "equal to 0"),
+    ({"bits": 3.5, "colour": 1}, "KV cache settings: colour: Extra inputs are not permitted"),
+    ({"code_attention": "yes"}, "KV cache settings: code_attention: must be True, False or "
+     "None, got 'yes'"),
+    ({"measure_error": 1}, "KV cache settings: measure_error: must be True or False, got 1"),
+    ({"spec": {"key_bits": 4}}, "KV cache settings: spec: must be a KVSpec, got dict"),
+])
+def test_kv_cache_checks_every_argument_before_touching_the_model(kwargs: dict,
+                                                                  message: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg)
+    with pytest.raises(TqError) as e:
+        tq_cli.kv_cache(model, **kwargs)
+    assert str(e.value) == message
+    assert model.config._attn_implementation == "sdpa"  # still the model's own attention
+    with pytest.raises(TqError, match=r"^KV cache settings: model: must be a transformers "
+                                      r"model or its config, got str$"):
+        tq_cli.kv_cache("llama")
+
+
+def test_every_spec_takes_a_device_as_load_does() -> None:
+    from pydantic import ValidationError
+
+    from tq_cli.conversion.spec import ConvertSpec
+
+    assert ConvertSpec(device="cuda:1").device == "cuda:1"
+    for bad in ("tpu", "cuda:x", 3):
+        with pytest.raises(ValidationError, match="is not one tq runs on; use cpu, cuda"):
+            ConvertSpec(device=bad)
+
+
 def test_convert_validates_a_spec_given_as_a_dict(small_folder: Path, tmp_path: Path) -> None:
     from tq_cli.conversion.converter import convert
 

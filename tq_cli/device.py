@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated
 
 import torch
+from pydantic import BeforeValidator
 
 from tq_cli.errors import UnsupportedError
-
-Device = Literal["auto", "cpu", "cuda"]
 
 
 def check_device(device: object) -> str | torch.device | None:
@@ -27,6 +26,18 @@ def check_device(device: object) -> str | torch.device | None:
         raise ValueError(f"{device!r} is not one tq runs on; use cpu, cuda (or cuda:N) "
                          "or auto")
     return device if isinstance(device, str) else dev
+
+
+def _device_name(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not one tq runs on; use cpu, cuda (or cuda:N) or auto")
+    check_device(value)
+    return value
+
+
+# A device as every spec (and so every command's --device) takes it: the rule of
+# `check_device`, the same as `tq_cli.load`'s, given as a name.
+Device = Annotated[str, BeforeValidator(_device_name)]
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:

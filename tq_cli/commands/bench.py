@@ -154,7 +154,7 @@ def _read_baseline(path: Path) -> dict[str, Any]:
 def main(
     quick: bool = typer.Option(False, "--quick", help="CI-sized run (under 2 minutes on "
                                                      "2 CPU cores)."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the result as JSON to "
                                          "FILE ('-' for stdout); it can be the next baseline."),
     baseline: Path | None = typer.Option(None, "--baseline", help="Compare with this JSON "
@@ -171,10 +171,12 @@ def main(
                                         "model (kept between runs); default a temp folder."),
 ) -> None:
     from tq_cli.bench.run import OPTIONAL_SECTIONS, SECTIONS, BenchSpec, run_bench
-    from tq_cli.device import resolve_device
+    from tq_cli.device import check_device, resolve_device
 
-    if device not in ("auto", "cpu", "cuda"):
-        raise usage(f"--device: '{device}' is not auto, cpu or cuda")
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise usage(f"--device: {e}") from None
     bad = [s for s in section if s not in SECTIONS + OPTIONAL_SECTIONS]
     if bad:
         raise usage(f"--section: '{bad[0]}' is not one of "

@@ -45,7 +45,7 @@ def main(
     samples: int = typer.Option(128, "--samples", help="Sequences of --seqlen tokens."),
     seqlen: int = typer.Option(512, "--seqlen", help="Tokens per sequence."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward call."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     recipe: str | None = typer.Option(None, "--recipe",
                                       help="Recipe name (llama, bert, generic) or TOML path."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),

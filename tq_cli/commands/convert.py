@@ -100,7 +100,7 @@ def main(
     vision: bool = typer.Option(False, "--vision", help="An image-text model (LLaVA, Gemma 3, "
                                 "...): convert its vision tower too, not only its language "
                                 "model; the projector is kept either way."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     shard_size: str = typer.Option("2GB", "--shard-size", help="Largest output shard."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite",
                                          help="Quantize NaN/Inf values as 0 and clamp values "

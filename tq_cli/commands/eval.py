@@ -56,7 +56,7 @@ def main(
                                       help="Sliding-window stride (default: non-overlapping)."),
     max_tokens: int = typer.Option(8192, "--max-tokens",
                                    help="Tokens of the text to use (0 = all)."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     sweep: str | None = typer.Option(None, "--sweep", help='Grid, e.g. "bits=2,3,4 '
                                      'rotation=none,hadamard codebook=lloyd-max,uniform".'),
     rtn: bool = typer.Option(True, "--rtn/--no-rtn",

@@ -59,7 +59,7 @@ def main(
                                   help="Seeds per tensor scored exactly after the screen."),
     exhaustive: bool = typer.Option(False, "--exhaustive", help="Score every seed exactly."),
     jobs: int = typer.Option(1, "--jobs", min=1, help="Local processes (torchrun: ignored)."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     from tq_cli.seedsearch.distributed import run_local, torchrun_comm

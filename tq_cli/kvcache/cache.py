@@ -232,14 +232,30 @@ def kv_cache(model: Any, bits: float | None = 3.5, window: int = 128, *,
     model to tq's attention function; None (the default): where the model supports it,
     False: decode coded tokens before attention (the reference path).
     """
+    from transformers import PretrainedConfig
+
     config = getattr(model, "config", model)
+    if not isinstance(config, PretrainedConfig):
+        raise UnsupportedError(f"KV cache settings: model: must be a transformers model or "
+                               f"its config, got {type(model).__name__}")
+    # every argument checked before the model is touched (code attention switches its
+    # attention function)
+    spec = spec if spec is not None else make_spec(bits, window, split, **options)
+    if not isinstance(spec, KVSpec):
+        raise UnsupportedError(f"KV cache settings: spec: must be a KVSpec, got "
+                               f"{type(spec).__name__}")
+    if code_attention is not None and not isinstance(code_attention, bool):
+        raise UnsupportedError(f"KV cache settings: code_attention: must be True, False or "
+                               f"None, got {code_attention!r}")
+    if not isinstance(measure_error, bool):
+        raise UnsupportedError(f"KV cache settings: measure_error: must be True or False, "
+                               f"got {measure_error!r}")
     code = False
     if code_attention is not False:
         code = enable_code_attention(model)
         if code_attention and not code:
             raise UnsupportedError(f"code_attention: {code_attention_because(model)}")
-    return TurboQuantCache(spec or make_spec(bits, window, split, **options), config,
-                           measure_error, code)
+    return TurboQuantCache(spec, config, measure_error, code)
 
 
 def use_kv_cache(model: Any, spec: KVSpec) -> Any:
