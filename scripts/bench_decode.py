@@ -10,8 +10,13 @@ greedy decode of --tokens new tokens from the same prompt (tokens/s), and one fo
 over --prefill tokens of the evaluation text (tokens/s); the best of --rounds each, so a
 burst of load from elsewhere does not decide the ratio. The converted model's prefill is
 timed once per CPU GEMM product precision in --gemm (`tq_kernels.cpu.set_gemm_precision`;
-the first is the default "tq_prefill"), all in the same rounds. The converted layers' resident
-bytes are compared with the fp16 size of the same layers.
+the first is the default "tq_prefill"), all in the same rounds. The converted model decodes
+twice: eagerly (`tq_cli.load(..., compile=False)`) and with the compiled decode step and
+static cache `tq_cli.load` gives generate() by default on the CPU (`runtime.compiled`;
+compiled during the warm-up, so the rounds time decoding only), and the greedy tokens of
+the two are compared; so is the compiled model with lm_head quantized as it loads
+(--head-bits, `tq_cli.load(..., head_bits=8)`). The converted layers' resident bytes are
+compared with the fp16 size of the same layers.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ def measure(models: dict[str, torch.nn.Module], prompt: torch.Tensor, long: torc
         for name, m in models.items():
             tps, outs[name] = decode(m, prompt, tokens)
             keep(f"{name}.decode", tps)
+            if name.startswith("tq_compiled"):  # its prefill is the eager model's
+                continue
             if name != "tq":
                 keep(f"{name}.prefill", prefill(m, long))
                 continue
@@ -79,6 +86,9 @@ def measure(models: dict[str, torch.nn.Module], prompt: torch.Tensor, long: torc
         "fp32_decode_tokens_per_s": round(best["fp32.decode"], 2),
         "tq_decode_tokens_per_s": round(best["tq.decode"], 2),
         "decode_ratio_tq_over_fp32": round(best["tq.decode"] / best["fp32.decode"], 3),
+        "tq_compiled_decode_tokens_per_s": round(best["tq_compiled.decode"], 2),
+        "decode_ratio_tq_compiled_over_fp32": round(
+            best["tq_compiled.decode"] / best["fp32.decode"], 3),
         "fp32_prefill_tokens_per_s": round(best["fp32.prefill"], 1),
     }
     for i, gemm in enumerate(gemms):
@@ -88,6 +98,15 @@ def measure(models: dict[str, torch.nn.Module], prompt: torch.Tensor, long: torc
         row[f"prefill{tag}_ratio_tq_over_fp32"] = round(
             best[f"tq.prefill.{gemm}"] / best["fp32.prefill"], 3)
     row["same_greedy_tokens"] = int((outs["tq"][0, n:] == outs["fp32"][0, n:]).sum())
+    same = (outs["tq_compiled"][0, n:] == outs["tq"][0, n:]).long()
+    row["compiled_leading_tokens_as_eager"] = int(same.cumprod(0).sum())
+    for name in models:
+        if name.startswith("tq_compiled_head"):
+            row[f"{name}_decode_tokens_per_s"] = round(best[f"{name}.decode"], 2)
+            row[f"decode_ratio_{name}_over_fp32"] = round(
+                best[f"{name}.decode"] / best["fp32.decode"], 3)
+            same = (outs[name][0, n:] == outs["tq"][0, n:]).long()
+            row[f"{name}_leading_tokens_as_eager"] = int(same.cumprod(0).sum())
     return row
 
 
@@ -104,6 +123,9 @@ def main() -> int:
                     help="CPU GEMM product precisions to time the prefill with, the first "
                          "reported as tq_prefill (bf16 falls back to fp32 on CPUs without "
                          "bf16 dot products)")
+    ap.add_argument("--head-bits", default="8",
+                    help="also decode compiled with lm_head quantized at these bits as it "
+                         "loads (comma-separated, '' for none)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     gemms = [g.strip() for g in args.gemm.split(",") if g.strip()]
@@ -119,7 +141,11 @@ def main() -> int:
                      return_tensors="pt").input_ids
         long = tok(evaluation_text().text, return_tensors="pt").input_ids[:, :args.prefill]
         models = {"fp32": AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(),
-                  "tq": tq_cli.load(folder, device="cpu")}
+                  "tq": tq_cli.load(folder, device="cpu", compile=False),
+                  "tq_compiled": tq_cli.load(folder, device="cpu", compile=True)}
+        for hb in (int(b) for b in args.head_bits.split(",") if b.strip()):
+            models[f"tq_compiled_head{hb}"] = tq_cli.load(folder, device="cpu", compile=True,
+                                                          head_bits=hb)
         rep = models["tq"].tq_report
         runs = []
         for threads in (int(t) for t in args.threads.split(",")):

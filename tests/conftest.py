@@ -19,6 +19,9 @@ import torch
 from tinymodels import build_tiny_bert, build_tiny_llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# tq_cli.load compiles generate()'s decode step by default on the CPU (tens of seconds the
+# first time); tests load eagerly unless they ask (tests/test_compiled.py).
+os.environ.setdefault("TQ_COMPILE", "0")
 
 # The tq command line pausing after every finished tensor (to kill or race a conversion).
 SLOW_TQ = Path(__file__).resolve().parent / "slow_tq.py"

@@ -132,6 +132,24 @@ def test_smollm2_loads_and_generates(smol_tq4: Path) -> None:
     assert "Paris" in text, text
 
 
+def test_smollm2_compiled_decode_gives_the_eager_tokens(smol_tq4: Path) -> None:
+    """The compiled CPU decode step (tq_cli.load's default outside the tests): 32 greedy
+    tokens as the eager model's."""
+    from transformers import AutoTokenizer
+
+    import tq_cli
+
+    tok = AutoTokenizer.from_pretrained(smol_tq4)
+    ids = tok(_sample_text()[:300], return_tensors="pt").input_ids
+    eager = tq_cli.load(smol_tq4, device="cpu", compile=False)
+    fast = tq_cli.load(smol_tq4, device="cpu", compile=True)
+    with torch.no_grad():
+        want = eager.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        got = fast.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert torch.equal(got, want)
+    assert getattr(fast, "_compiled_call", None) is not None
+
+
 def test_minilm_loads_and_embeds(minilm: Path, tmp_path: Path) -> None:
     from transformers import AutoModel, AutoTokenizer
 

@@ -47,7 +47,28 @@ def _built() -> cpu_build.Built:
         warnings.warn(f"tq: CPU kernel unavailable ({built.error}); TQLinear runs the torch "
                       "reference on CPU (backend 'torch', several times slower)",
                       RuntimeWarning, stacklevel=4)
+    else:
+        _register_fakes()
     return built
+
+
+def _register_fakes() -> None:
+    """Shapes of the operators' results, for torch.compile's tracing (the kernels run
+    only on real tensors)."""
+
+    def linear_fake(x: torch.Tensor, signs: torch.Tensor | None, block: int,
+                    codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
+                    outlier_idx: torch.Tensor, outlier_val: torch.Tensor,
+                    bias: torch.Tensor | None, bits: int, group_size: int, out_features: int,
+                    isa: int, gemm_min_batch: int, bf16_gemm: bool,
+                    reuse_input: bool = True) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    def rotate_fake(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    torch.library.register_fake("tq_cpu::linear", linear_fake)
+    torch.library.register_fake("tq_cpu::rotate", rotate_fake)
 
 
 def available() -> bool:
@@ -148,6 +169,16 @@ def linear(x: torch.Tensor, signs: torch.Tensor | None, block: int, codes: torch
         group_size, out_features, isa_i,
         GEMM_MIN_BATCH if gemm_min_batch is None else gemm_min_batch,
         _gemm_bf16() if gemm is None else gemm == "bf16")
+
+
+def native_args() -> tuple[int, int, bool, bool]:
+    """The settings `linear` passes the operator now (instruction set, GEMM batch
+    threshold, bf16 GEMM products), for a caller that records the operator itself
+    (TQLinear in a compiled step), with reuse_input off: a compiled graph rewrites its
+    buffers in place without a version bump, so the operator must not take an input for
+    the one it rotated last."""
+    _require()
+    return _cap(), GEMM_MIN_BATCH, _gemm_bf16(), False
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:

@@ -248,6 +248,14 @@ class TurboQuantHfQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return False
 
+    # Set by `tq_cli.load` once every layer records the native CPU operator in a compiled
+    # step (`runtime.compiled`); other models are not compiled by generate().
+    compileable = False
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.compileable
+
 
 def register() -> None:
     """Register with transformers once (registering twice raises there)."""

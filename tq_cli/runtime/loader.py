@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from collections import Counter
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import (
@@ -28,11 +28,12 @@ from pydantic import (
 from torch import nn
 
 from tq_cli.device import check_device, resolve_device
-from tq_cli.errors import CorruptFileError, TqError, first_error
+from tq_cli.errors import CorruptFileError, TqError, UnsupportedError, first_error
 from tq_cli.io.checkpoint import SKIP_CHECKSUMS, check_checkpoint
 from tq_cli.io.format import converted_entries
 from tq_cli.io.source import resolve_source
 from tq_cli.kvcache.spec import MAX_BITS, MIN_BITS
+from tq_cli.runtime.compiled import default_on, enable_compiled, why_not_compiled
 from tq_cli.runtime.hf_models import model_class
 from tq_cli.runtime.tq_linear import TQLinear
 from tq_kernels import cpu as cpu_kernel
@@ -67,6 +68,8 @@ class LoadSpec(BaseModel):
     kv_bits: Annotated[float | None, BeforeValidator(_no_bool)] = Field(None, ge=MIN_BITS,
                                                                           le=MAX_BITS)
     kv_window: StrictInt = Field(128, ge=0)
+    compile: StrictBool | None = None
+    head_bits: Literal[4, 8] | None = None
 
 
 def _checked(**args: Any) -> LoadSpec:
@@ -79,16 +82,27 @@ def _checked(**args: Any) -> LoadSpec:
 
 def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | None = None,
          dtype: torch.dtype | None = None, verify_checksums: bool = True,
-         kv_bits: float | None = None, kv_window: int = 128) -> nn.Module:
+         kv_bits: float | None = None, kv_window: int = 128,
+         compile: bool | None = None, head_bits: int | None = None) -> nn.Module:
     """Load a tq checkpoint as a transformers model whose converted layers are TQLinear.
 
     device: None picks CUDA when available, else CPU; "cuda" without CUDA is an error.
     dtype: of activations and kept tensors; default float16 on CUDA, float32 on CPU.
     kv_bits: when given, `generate()` uses a TurboQuant KV cache at these bits (with
     `kv_window` recent tokens in full precision) unless it is passed a cache.
+    compile: `generate()` runs a static KV cache and a compiled decode step
+    (`runtime.compiled`; the first call compiles). None (the default): where the model
+    allows it (CPU, no kv_bits, not TQ_COMPILE=0), else eagerly with a log line saying why;
+    True: refuse a model it cannot serve; False: eagerly.
+    head_bits: 8 or 4 quantizes lm_head (and an input embedding tied to it) as it loads
+    (`runtime.head`); None keeps it as stored.
     """
     args = _checked(device=device, dtype=dtype, verify_checksums=verify_checksums,
-                    kv_bits=kv_bits, kv_window=kv_window)
+                    kv_bits=kv_bits, kv_window=kv_window, compile=compile,
+                    head_bits=head_bits)
+    if args.compile and args.kv_bits is not None:
+        raise TqError("tq_cli.load: compile: the TurboQuant KV cache (kv_bits) runs eagerly; "
+                      "pass compile=False or no kv_bits")
     dev = resolve_device(args.device)
     dtype = args.dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     kv_spec = None
@@ -124,11 +138,20 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
         raise CorruptFileError(
             f"{folder}: {converted} tensors were converted but {len(layers)} TQLinear layers "
             "were built; is tq_cli imported before transformers loads the model?")
+    if args.head_bits is not None:
+        from tq_cli.runtime.head import quantize_head
+
+        head = quantize_head(model, args.head_bits)
     model.tq_report = report(model)
+    model.tq_report["head"] = head if args.head_bits is not None else None
     if kv_spec is not None:
         from tq_cli.kvcache.cache import use_kv_cache
 
         use_kv_cache(model, kv_spec)
+    elif args.compile or (args.compile is None and default_on()):
+        if args.compile and (reason := why_not_compiled(model)) is not None:
+            raise UnsupportedError(f"tq_cli.load: compile: {reason}; pass compile=False")
+        enable_compiled(model)
     log.info("tq: %d TQLinear layers, backends %s, CPU prefill GEMM %s", len(layers),
              dict(model.tq_report["backends"]), model.tq_report["cpu_gemm"] or "-")
     return model

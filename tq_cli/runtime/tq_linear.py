@@ -100,6 +100,9 @@ class TQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global _warned_fallback
+        native = self.__dict__.get("native_args")
+        if native is not None and torch.compiler.is_compiling():
+            return self._native_forward(x, native)
         if x.is_cuda and self.backend != "triton" and not _warned_fallback:
             _warned_fallback = True
             warnings.warn("tq: Triton is unavailable, TQLinear runs the torch reference on "
@@ -114,6 +117,34 @@ class TQLinear(nn.Module):
                                bits=self.bits, group_size=self.group_size,
                                out_features=self.out_features, in_features=self.in_features)
         return y if y.dtype == dtype else y.to(dtype)
+
+    def _native_forward(self, x: torch.Tensor, native: tuple[int, int, bool, bool]
+                        ) -> torch.Tensor:
+        """The CPU kernel called directly, with its settings fixed beforehand
+        (`prepare_native`): what a compiled decode step records, one operator per layer
+        and none of the dispatch's checks, which tracing would have to guard on."""
+        w, rot, dtype = self.weight, self.rotation, x.dtype
+        t = self.col_scale
+        if t is not None:
+            x = dispatch.scale_columns(x, t)
+        signs = rot.signs if rot is not None else None
+        y = torch.ops.tq_cpu.linear.default(
+            x, signs, rot.block if rot is not None else 0, w.codes, w.scales, w.codebook,
+            w.outlier_idx, w.outlier_val, self.bias, self.bits, self.group_size,
+            self.out_features, *native)
+        return y if y.dtype == dtype else y.to(dtype)
+
+    def prepare_native(self, native: tuple[int, int, bool, bool] | None) -> None:
+        """Give a compiled forward the CPU kernel's settings
+        (`tq_kernels.cpu.native_args`); None: compiled forwards take the dispatch path.
+        Only for a layer on the CPU with a Hadamard rotation or none."""
+        if native is not None:
+            rot = self.rotation
+            if self.weight.codes.device.type != "cpu" or (
+                    rot is not None and rot.kind != "hadamard"):
+                raise ValueError("the native CPU kernel serves CPU layers with a Hadamard "
+                                 "rotation (or none)")
+        self.__dict__["native_args"] = native
 
     def dequantize(self) -> torch.Tensor:
         """The weight in the original basis, float32 [out, in] (for export or debugging)."""

@@ -363,7 +363,7 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
                   const at::Tensor& codebook_in, const at::Tensor& outlier_idx_in,
                   const at::Tensor& outlier_val_in, const std::optional<at::Tensor>& bias,
                   int64_t bits, int64_t group_size, int64_t out_features, int64_t isa,
-                  int64_t gemm_min_batch, bool bf16_gemm) {
+                  int64_t gemm_min_batch, bool bf16_gemm, bool reuse_input) {
   TORCH_CHECK(bits >= 1 && bits <= 8, "tq_cpu.linear: bits must be 1-8, got ", bits);
   TORCH_CHECK(group_size > 0 && group_size % 8 == 0, "tq_cpu.linear: bad group size ",
               group_size);
@@ -413,12 +413,14 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   const Kernels kern = kernels_for(eisa, static_cast<int>(bits));
   const int8_t* sp = signs_c.defined() ? signs_c.data_ptr<int8_t>() : nullptr;
   PrepCache& pc = prep_cache();
-  if (!pc.holds(x, signs_c, block, eisa, bits, K)) {
+  // reuse_input false: a compiled graph's buffers are rewritten without a version bump,
+  // so an input is never recognised as the last one (which q/k/v share in eager mode).
+  if (!reuse_input || !pc.holds(x, signs_c, block, eisa, bits, K)) {
     pc.x = at::Tensor();  // invalid until the buffers hold this input
     const Prep prep{sp, sp != nullptr ? hadamard_blocks(n, block) : decltype(Prep::blocks){},
                     kern, n, K};
     prep_all(prep, x2, M, scratch(pc.xr, M * n), scratch(pc.xp, M * K));
-    pc.store(x, signs_c, block, eisa, bits, K);
+    if (reuse_input) pc.store(x, signs_c, block, eisa, bits, K);
   }
   const float* xr = pc.xr.data();
   float* xp = pc.xp.data();
@@ -484,14 +486,20 @@ int64_t kernel_isa(int64_t isa, int64_t bits, int64_t group_size) {
 }  // namespace
 }  // namespace tqcpu
 
+// linear and rotate are CPU kernels (not catch-all), so torch.compile can trace them with
+// the shape-only implementations tq_kernels.cpu registers (torch.library.register_fake).
 TORCH_LIBRARY(tq_cpu, m) {
   m.def("linear(Tensor x, Tensor? signs, int block, Tensor codes, Tensor scales, "
         "Tensor codebook, Tensor outlier_idx, Tensor outlier_val, Tensor? bias, int bits, "
-        "int group_size, int out_features, int isa, int gemm_min_batch, bool bf16_gemm) "
-        "-> Tensor",
-        &tqcpu::linear);
-  m.def("rotate(Tensor x, Tensor signs, int block) -> Tensor", &tqcpu::rotate);
+        "int group_size, int out_features, int isa, int gemm_min_batch, bool bf16_gemm, "
+        "bool reuse_input=True) -> Tensor");
+  m.def("rotate(Tensor x, Tensor signs, int block) -> Tensor");
   m.def("cpu_isa() -> int", &tqcpu::cpu_isa);
   m.def("bf16_gemm() -> bool", &tqcpu::bf16_gemm);
   m.def("kernel_isa(int isa, int bits, int group_size) -> int", &tqcpu::kernel_isa);
+}
+
+TORCH_LIBRARY_IMPL(tq_cpu, CPU, m) {
+  m.impl("linear", &tqcpu::linear);
+  m.impl("rotate", &tqcpu::rotate);
 }

@@ -1,0 +1,156 @@
+"""The compiled CPU decode step (tq_cli.runtime.compiled): the same greedy tokens as the
+eager model, the operator's shape-only implementation, the static cache's buckets, and
+clean refusals where it cannot serve a model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import tq_cli
+from tq_cli.conversion.converter import ConvertSpec, convert
+from tq_cli.errors import TqError, UnsupportedError
+from tq_cli.quant.spec import QuantSpec, RotationSpec
+from tq_cli.runtime import compiled
+from tq_cli.runtime.tq_linear import TQLinear
+from tq_kernels import cpu as cpu_kernel
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="needs the CPU kernel")
+IDS = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def llama_tq(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cmp") / "llama"
+    convert(tiny_llama, out, ConvertSpec(quant=QuantSpec(bits=4, group_size=64), fast=True))
+    return out
+
+
+def test_compiled_generate_gives_the_eager_tokens(llama_tq: Path) -> None:
+    eager = tq_cli.load(llama_tq, device="cpu", compile=False)
+    model = tq_cli.load(llama_tq, device="cpu", compile=True)
+    assert model.tq_compiled and not hasattr(eager, "tq_compiled")
+    with torch.no_grad():
+        want = eager.generate(IDS, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        out = model.generate(IDS, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                             return_dict_in_generate=True)
+        again = model.generate(IDS, max_new_tokens=41, min_new_tokens=41, do_sample=False)
+    assert torch.equal(out.sequences, want)
+    assert torch.equal(again[:, :-1], want)  # a longer call in the same bucket
+    from transformers import StaticCache
+
+    assert isinstance(out.cache, StaticCache) and out.cache.layers[0].max_cache_len == 256
+    assert getattr(model, "_compiled_call", None) is not None  # transformers compiled it
+
+
+def test_the_operator_traces_with_its_shape_only_implementation(llama_tq: Path) -> None:
+    model = tq_cli.load(llama_tq, device="cpu", compile=False)
+    layer = next(m for m in model.modules() if isinstance(m, TQLinear))
+    w, rot = layer.weight, layer.rotation
+    assert rot is not None
+    x = torch.randn(3, layer.in_features)
+    args = (x, rot.signs, rot.block, w.codes, w.scales, w.codebook, w.outlier_idx,
+            w.outlier_val, layer.bias, layer.bits, layer.group_size, layer.out_features,
+            *cpu_kernel.native_args())
+    torch.library.opcheck(torch.ops.tq_cpu.linear.default, args)
+    torch.library.opcheck(torch.ops.tq_cpu.rotate.default, (x, rot.signs, rot.block))
+    # the compiled forward records the operator with the eager layer's result
+    layer.prepare_native(cpu_kernel.native_args())
+    assert torch.equal(torch.compile(layer, backend="eager")(x), layer(x))
+
+
+def test_cache_buckets() -> None:
+    assert [compiled.bucket(n) for n in (1, 256, 257, 1000, 5000)] == [256, 256, 512, 1024,
+                                                                       8192]
+
+
+def test_where_it_cannot_compile(llama_tq: Path, tiny_llama: Path, tmp_path: Path,
+                                 caplog: pytest.LogCaptureFixture,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TqError, match=r"^tq_cli\.load: compile: the TurboQuant KV cache "
+                                      r"\(kv_bits\) runs eagerly; pass compile=False or no "
+                                      r"kv_bits$"):
+        tq_cli.load(llama_tq, device="cpu", kv_bits=4, compile=True)
+    with pytest.raises(TqError, match=r"^tq_cli\.load: compile: Input should be a valid "
+                                      "boolean$"):
+        tq_cli.load(llama_tq, device="cpu", compile="yes")  # type: ignore[arg-type]
+    ortho = tmp_path / "ortho"
+    convert(tiny_llama, ortho, ConvertSpec(quant=QuantSpec(bits=4, group_size=64), fast=True,
+                                           rotation=RotationSpec(kind="orthogonal")))
+    with pytest.raises(UnsupportedError, match=r"^tq_cli\.load: compile: orthogonal "
+                                               r"rotations run a dense matmul before the "
+                                               r"kernel; pass compile=False$"):
+        tq_cli.load(ortho, device="cpu", compile=True)
+    monkeypatch.setenv("TQ_COMPILE", "1")  # the default outside the test suite
+    with caplog.at_level(logging.INFO, logger="tq"):
+        model = tq_cli.load(ortho, device="cpu", compile=None)
+    assert not hasattr(model, "tq_compiled")
+    assert "generate() runs eagerly: orthogonal rotations" in caplog.text
+    kv = tq_cli.load(llama_tq, device="cpu", kv_bits=4)  # the default: kv_bits wins
+    assert not hasattr(kv, "tq_compiled")
+
+
+def test_default_follows_tq_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, on in (("0", False), ("off", False), ("1", True), ("", True)):
+        monkeypatch.setenv("TQ_COMPILE", value)
+        assert compiled.default_on() is on
+
+
+def test_head_quantized_as_it_loads(llama_tq: Path) -> None:
+    """lm_head 8-bit: the tied embedding reads the same packed weight; logits within the
+    head's own quantization error; the compiled step gives the eager tokens."""
+    from tq_cli.runtime.head import TQEmbedding
+
+    plain = tq_cli.load(llama_tq, device="cpu", compile=False)
+    model = tq_cli.load(llama_tq, device="cpu", compile=False, head_bits=8)
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, TQLinear) and head.bits == 8
+    info = model.tq_report["head"]
+    tied = plain.config.tie_word_embeddings
+    assert info["tied"] == tied and info["rel_error"] < 1e-4
+    assert info["bytes"] < 0.3 * info["fp_bytes"]
+    if tied:  # the embedding rows are the head's dequantized rows, one tensor for both
+        assert isinstance(emb, TQEmbedding) and emb.head is head
+        ids = torch.tensor([[0, 5, 319]])
+        assert torch.allclose(emb(ids)[0], head.dequantize()[ids[0]], atol=1e-5)
+    with torch.no_grad():
+        want, got = plain(IDS).logits, model(IDS).logits
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 0.01, rel
+    fast = tq_cli.load(llama_tq, device="cpu", compile=True, head_bits=8)
+    with torch.no_grad():
+        a = model.generate(IDS, max_new_tokens=16, do_sample=False)
+        b = fast.generate(IDS, max_new_tokens=16, do_sample=False)
+    assert torch.equal(a, b)
+    with pytest.raises(TqError, match=r"^tq_cli\.load: head_bits: Input should be 4 or 8$"):
+        tq_cli.load(llama_tq, device="cpu", head_bits=3)
+
+
+def test_a_tied_head_and_embedding_share_one_packed_weight() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tq_cli.runtime.head import TQEmbedding, quantize_head
+
+    cfg = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        want = model(IDS).logits
+        table = model.model.embed_tokens.weight.clone()
+    info = quantize_head(model, 8)
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    assert info["tied"] and isinstance(emb, TQEmbedding) and emb.head is head
+    rows = head.dequantize()
+    assert torch.allclose(emb(IDS)[0], rows[IDS[0]], atol=1e-6)
+    assert float((rows - table).norm() / table.norm()) < 0.01
+    with torch.no_grad():
+        got = model(IDS).logits
+    assert float((got - want).norm() / want.norm()) < 0.02
+    with pytest.raises(UnsupportedError, match="head_bits must be one of 4, 8, got 2"):
+        quantize_head(model, 2)

@@ -1,0 +1,115 @@
+"""A compiled decode step for CPU generation: `generate()` without the interpreter in the way.
+
+An eager decode step of a small model is mostly Python and framework dispatch: per layer,
+norms, rotary, attention and seven projections, each a few small torch calls.
+`enable_compiled` makes `generate()` of a model loaded by `tq_cli.load` on the CPU run transformers' own
+static KV cache and compile the decode step with `torch.compile` (inductor, which fuses
+the elementwise work into C++ loops), the way transformers already does on CUDA:
+
+- each TQLinear records tq's native operator directly (`TQLinear.prepare_native`; the
+  operator has a shape-only implementation for tracing, `tq_kernels.cpu`);
+- the static cache is sized in buckets (`bucket`: powers of two from 256 tokens), so a
+  later call with a few more tokens reuses the compiled step instead of compiling again;
+- the first generate() of a process compiles (tens of seconds; inductor keeps what it
+  built on disk, so later processes take about a tenth of that).
+
+A model it cannot serve keeps the eager path with a log line saying why: not on the
+CPU, the native kernel unavailable, an orthogonal rotation (a dense matmul before the
+operator), mixture-of-experts layers, or a family transformers does not compile.
+`TQ_COMPILE=0` turns the default off for a process; `tq_cli.load(..., compile=False)`
+for one model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from typing import Any
+
+from torch import nn
+
+from tq_cli.runtime.tq_linear import TQLinear
+
+log = logging.getLogger("tq")
+MIN_CACHE = 256
+
+
+def bucket(tokens: int) -> int:
+    """The static cache length for a generation of up to `tokens` tokens in all."""
+    n = MIN_CACHE
+    while n < tokens:
+        n *= 2
+    return n
+
+
+def default_on() -> bool:
+    """Whether `tq_cli.load` compiles by default in this process (TQ_COMPILE=0: no)."""
+    return os.environ.get("TQ_COMPILE", "1").strip().lower() not in ("0", "false", "no",
+                                                                      "off")
+
+
+def why_not_compiled(model: nn.Module) -> str | None:
+    """Why `enable_compiled` cannot serve this model, or None."""
+    from tq_cli.runtime.experts import TQExperts
+    from tq_kernels import cpu
+
+    layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return f"transformers does not compile {type(model).__name__}"
+    if not hasattr(model, "generate"):
+        return "the model does not generate"
+    if any(isinstance(m, TQExperts) for m in model.modules()):
+        return "mixture-of-experts layers run a Python loop over experts"
+    if not layers:
+        return "no converted layers"
+    if any(m.weight.codes.device.type != "cpu" for m in layers):
+        return "compiled decode steps are for the CPU (CUDA runs Triton kernels)"
+    if not cpu.available():
+        return "tq's native CPU kernel is unavailable"
+    if any(m.rotation is not None and m.rotation.kind != "hadamard" for m in layers):
+        return "orthogonal rotations run a dense matmul before the kernel"
+    return None
+
+
+def enable_compiled(model: Any) -> bool:
+    """Make `model.generate()` use a static cache and a compiled decode step where it can;
+    False (and a log line) where it cannot. Returns whether it did."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from tq_kernels import cpu
+
+    reason = why_not_compiled(model)
+    if reason is not None:
+        log.info("tq: generate() runs eagerly: %s", reason)
+        return False
+    native = cpu.native_args()
+    for m in model.modules():
+        if isinstance(m, TQLinear):
+            m.prepare_native(native)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.compileable = True
+    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
+    config._compile_all_devices = True  # type: ignore[assignment]  # else accelerators only
+    original = model._prepare_cache_for_generation
+
+    def prepare(self: Any, generation_config: Any, model_kwargs: dict, *args: Any,
+                **kwargs: Any) -> Any:
+        own = (model_kwargs.get("cache") is None and model_kwargs.get("past_key_values") is None
+               and generation_config.use_cache is not False
+               and generation_config.cache_implementation in (None, "static")
+               and not generation_config.disable_compile)
+        if own:  # set per call: a caller's own cache gets no "cannot compile" warning
+            generation_config.compile_config = generation_config.compile_config or config
+            generation_config.cache_implementation = "static"
+            generation_config.max_cache_len = max(generation_config.max_cache_len or 0,
+                                                  bucket(generation_config.max_length))
+        return original(generation_config, model_kwargs, *args, **kwargs)
+
+    model._prepare_cache_for_generation = types.MethodType(prepare, model)
+    model.tq_compiled = True
+    return True
+
+
+__all__ = ["bucket", "default_on", "enable_compiled", "why_not_compiled"]
