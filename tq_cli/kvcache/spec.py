@@ -13,9 +13,18 @@ docs/results.md), "kv" is the default, and at 4 bits K5/V3 beats K4/V4.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 from tq_cli.quant.spec import MAX_SEED
 
@@ -30,25 +39,32 @@ MIN_BITS, MAX_BITS = 1.0, 8.0
 MIN_VALUE_BITS = 3.0
 
 
+def _no_bool(value: object) -> object:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a layer index, got {value!r}")
+    return value  # "0" and "-1" from the command line parse as indices
+
+
 class KVSpec(BaseModel):
     """How a KV cache quantizes. A stream with bits None stays in full precision."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    key_bits: float | None = Field(4.0, description="bits per key coordinate (None: full)")
-    value_bits: float | None = Field(3.0, description="bits per value coordinate (None: full)")
-    window: int = Field(128, ge=0, description="most recent tokens kept in full precision")
-    sinks: int = Field(1, ge=0, description="first tokens kept in full precision (the first "
+    # strict scalars: True is not 1 bit, 1 sink or seed 1, 0 is not False
+    key_bits: StrictFloat | None = Field(4.0, description="bits per key coordinate (None: full)")
+    value_bits: StrictFloat | None = Field(3.0, description="bits per value coordinate (None: full)")
+    window: StrictInt = Field(128, ge=0, description="most recent tokens kept in full precision")
+    sinks: StrictInt = Field(1, ge=0, description="first tokens kept in full precision (the first "
                        "is an attention sink, read by every query)")
-    full_precision_layers: tuple[int, ...] = Field(
+    full_precision_layers: tuple[Annotated[int, BeforeValidator(_no_bool)], ...] = Field(
         (), description="layer indices (negative counts from the end) kept in full precision")
     sliding: SlidingMode = Field(
         "full", description="sliding-window layers: 'full' keeps their bounded cache in full "
         "precision, 'quantize' quantizes it outside the window as well")
-    center: bool = Field(False, description="values: quantize each vector minus a per-head "
+    center: StrictBool = Field(False, description="values: quantize each vector minus a per-head "
                          "mean fixed from the first tokens coded (added back exactly); "
                          "measured worse on SmolLM2, so off")
-    center_keys: bool = Field(True, description="keys: quantize each key minus a per-head "
+    center_keys: StrictBool = Field(True, description="keys: quantize each key minus a per-head "
                               "mean taken before RoPE and turned to the key's position "
                               "(`kvcache.rope`); models without a RoPE tq reads code keys "
                               "uncentered")
@@ -56,9 +72,9 @@ class KVSpec(BaseModel):
     rescale: Rescale = Field("norm", description="the stored scale: 'none' the norm (the "
                              "paper), 'norm' so |x_hat| = |x|, 'unbiased' so inner products "
                              "are unbiased")
-    qjl: bool = Field(False, description="keys: (b-1)-bit codes plus a 1-bit QJL sketch of the "
+    qjl: StrictBool = Field(False, description="keys: (b-1)-bit codes plus a 1-bit QJL sketch of the "
                       "residual (the paper's TurboQuant_prod, unbiased inner products)")
-    seed: int = Field(0, ge=0, le=MAX_SEED)
+    seed: StrictInt = Field(0, ge=0, le=MAX_SEED)
 
     @model_validator(mode="after")
     def _check(self) -> KVSpec:
