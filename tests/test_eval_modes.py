@@ -98,7 +98,8 @@ def test_a_flag_the_mode_does_not_read_is_refused(flags: list[str], message: str
 
 
 INVALID = [
-    (["--device", "gpu"], "--device: 'gpu' is not one tq runs on; use cpu, cuda (or cuda:N) or auto"),
+    (["--device", "gpu"],
+     "--device: 'gpu' is not one tq runs on; use cpu, cuda (or cuda:N) or auto"),
     (["--context", "64", "--stride", "100"], "--stride: must be at most --context (64), got 100"),
     (["--max-tokens", "-1"], "--max-tokens: Input should be greater than or equal to 0"),
     (["--context", "1"], "--context: Input should be greater than or equal to 2"),

@@ -52,7 +52,8 @@ class KVSpec(BaseModel):
 
     # strict scalars: True is not 1 bit, 1 sink or seed 1, 0 is not False
     key_bits: StrictFloat | None = Field(4.0, description="bits per key coordinate (None: full)")
-    value_bits: StrictFloat | None = Field(3.0, description="bits per value coordinate (None: full)")
+    value_bits: StrictFloat | None = Field(3.0, description="bits per value coordinate "
+                                           "(None: full)")
     window: StrictInt = Field(128, ge=0, description="most recent tokens kept in full precision")
     sinks: StrictInt = Field(1, ge=0, description="first tokens kept in full precision (the first "
                        "is an attention sink, read by every query)")
@@ -72,8 +73,9 @@ class KVSpec(BaseModel):
     rescale: Rescale = Field("norm", description="the stored scale: 'none' the norm (the "
                              "paper), 'norm' so |x_hat| = |x|, 'unbiased' so inner products "
                              "are unbiased")
-    qjl: StrictBool = Field(False, description="keys: (b-1)-bit codes plus a 1-bit QJL sketch of the "
-                      "residual (the paper's TurboQuant_prod, unbiased inner products)")
+    qjl: StrictBool = Field(False, description="keys: (b-1)-bit codes plus a 1-bit QJL "
+                            "sketch of the residual (the paper's TurboQuant_prod, unbiased "
+                            "inner products)")
     seed: StrictInt = Field(0, ge=0, le=MAX_SEED)
 
     @model_validator(mode="after")

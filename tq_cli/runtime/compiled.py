@@ -2,9 +2,10 @@
 
 An eager decode step of a small model is mostly Python and framework dispatch: per layer,
 norms, rotary, attention and seven projections, each a few small torch calls.
-`enable_compiled` makes `generate()` of a model loaded by `tq_cli.load` on the CPU run transformers' own
-static KV cache and compile the decode step with `torch.compile` (inductor, which fuses
-the elementwise work into C++ loops), the way transformers already does on CUDA:
+`enable_compiled` makes `generate()` of a model loaded by `tq_cli.load` on the CPU run
+transformers' own static KV cache and compile the decode step with `torch.compile`
+(inductor, which fuses the elementwise work into C++ loops), the way transformers
+already does on CUDA:
 
 - each TQLinear records tq's native operator directly (`TQLinear.prepare_native`; the
   operator has a shape-only implementation for tracing, `tq_kernels.cpu`);
