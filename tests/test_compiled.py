@@ -154,3 +154,33 @@ def test_a_tied_head_and_embedding_share_one_packed_weight() -> None:
     assert float((got - want).norm() / want.norm()) < 0.02
     with pytest.raises(UnsupportedError, match="head_bits must be one of 4, 8, got 2"):
         quantize_head(model, 2)
+
+
+def test_a_scaled_embedding_is_not_tied_and_dequantize_reties() -> None:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from tq_cli.runtime.head import TQEmbedding, quantize_head
+
+    cfg = Gemma3TextConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=64, tie_word_embeddings=True)
+    model = Gemma3ForCausalLM(cfg).eval()
+    emb = model.get_input_embeddings()
+    assert emb.weight is model.lm_head.weight and type(emb) is not torch.nn.Embedding
+    info = quantize_head(model, 8)
+    # Gemma scales its lookups by sqrt(hidden): the embedding stays as it was
+    assert not info["tied"] and model.get_input_embeddings() is emb
+    # a head quantized as it loaded comes back tied by dequantize()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=128,
+                                        intermediate_size=256, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1,
+                                        tie_word_embeddings=True)).eval()
+    quantize_head(tied, 8)
+    assert isinstance(tied.get_input_embeddings(), TQEmbedding)
+    from tq_cli.runtime.hf_quantizer import dequantize_model
+
+    dequantize_model(tied)
+    assert type(tied.get_input_embeddings()) is torch.nn.Embedding
+    assert tied.get_input_embeddings().weight is tied.get_output_embeddings().weight

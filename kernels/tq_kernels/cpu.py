@@ -48,8 +48,20 @@ def _built() -> cpu_build.Built:
                       "reference on CPU (backend 'torch', several times slower)",
                       RuntimeWarning, stacklevel=4)
     else:
-        _register_fakes()
+        try:
+            _register_fakes()
+        except (AttributeError, RuntimeError) as e:  # torch without register_fake (< 2.4)
+            _fakes_error.append(str(e))
     return built
+
+
+_fakes_error: list[str] = []
+
+
+def traceable() -> bool:
+    """Whether torch.compile can trace the operators (their shape-only implementations
+    are registered; compiled decode steps need it)."""
+    return available() and not _fakes_error
 
 
 def _register_fakes() -> None:
@@ -65,7 +77,7 @@ def _register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], out_features))
 
     def rotate_fake(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
-        return torch.empty_like(x)
+        return x.new_empty(x.shape)  # the operator returns a contiguous tensor
 
     torch.library.register_fake("tq_cpu::linear", linear_fake)
     torch.library.register_fake("tq_cpu::rotate", rotate_fake)
@@ -168,7 +180,9 @@ def linear(x: torch.Tensor, signs: torch.Tensor | None, block: int, codes: torch
         x, signs, block, codes, scales, codebook, outlier_idx, outlier_val, bias, bits,
         group_size, out_features, isa_i,
         GEMM_MIN_BATCH if gemm_min_batch is None else gemm_min_batch,
-        _gemm_bf16() if gemm is None else gemm == "bf16")
+        _gemm_bf16() if gemm is None else gemm == "bf16",
+        # traced (a user's own torch.compile): no input reuse (see native_args)
+        not torch.compiler.is_compiling())
 
 
 def native_args() -> tuple[int, int, bool, bool]:

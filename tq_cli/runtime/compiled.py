@@ -11,6 +11,8 @@ already does on CUDA:
   operator has a shape-only implementation for tracing, `tq_kernels.cpu`);
 - the static cache is sized in buckets (`bucket`: powers of two from 256 tokens), so a
   later call with a few more tokens reuses the compiled step instead of compiling again;
+  a call that may run past MAX_CACHE tokens runs eagerly (a static cache is read whole
+  every step);
 - the first generate() of a process compiles (tens of seconds; inductor keeps what it
   built on disk, so later processes take about a tenth of that).
 
@@ -34,6 +36,7 @@ from tq_cli.runtime.tq_linear import TQLinear
 
 log = logging.getLogger("tq")
 MIN_CACHE = 256
+MAX_CACHE = 8192  # longer generate() calls (or an unset large max_length) run eagerly
 
 
 def bucket(tokens: int) -> int:
@@ -68,6 +71,8 @@ def why_not_compiled(model: nn.Module) -> str | None:
         return "compiled decode steps are for the CPU (CUDA runs Triton kernels)"
     if not cpu.available():
         return "tq's native CPU kernel is unavailable"
+    if not cpu.traceable():
+        return "this torch cannot register the operators' shapes for tracing"
     if any(m.rotation is not None and m.rotation.kind != "hadamard" for m in layers):
         return "orthogonal rotations run a dense matmul before the kernel"
     return None
@@ -100,7 +105,13 @@ def enable_compiled(model: Any) -> bool:
         own = (model_kwargs.get("cache") is None and model_kwargs.get("past_key_values") is None
                and generation_config.use_cache is not False
                and generation_config.cache_implementation in (None, "static")
-               and not generation_config.disable_compile)
+               and not generation_config.disable_compile
+               # a static cache is read whole every step: unbounded lengths run eagerly
+               and (generation_config.max_length or 0) <= MAX_CACHE
+               and self.device.type == "cpu"  # moved to CUDA after loading: eager
+               and any(isinstance(m, TQLinear) for m in self.modules()))  # dequantized
+        if quantizer is not None:  # transformers compiles only what this call allows
+            quantizer.compileable = own
         if own:  # set per call: a caller's own cache gets no "cannot compile" warning
             generation_config.compile_config = generation_config.compile_config or config
             generation_config.cache_implementation = "static"

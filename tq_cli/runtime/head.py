@@ -68,7 +68,11 @@ def quantize_head(model: Any, bits: int) -> dict[str, Any]:
                                "to quantize")
     emb = model.get_input_embeddings()
     w = head.weight.detach()
-    tied = isinstance(emb, nn.Embedding) and emb.weight.data_ptr() == w.data_ptr()
+    # A plain embedding only: a subclass may scale its lookups (Gemma's multiplies by
+    # sqrt(hidden)) or renormalise them (max_norm); then the head alone is quantized and
+    # the embedding keeps its own (formerly shared) weight.
+    tied = (type(emb) is nn.Embedding and emb.max_norm is None
+            and emb.weight.data_ptr() == w.data_ptr())
     # no outliers: a lookup then reads only its rows' codes and scales
     spec = QuantSpec(bits=bits, group_size=GROUP, outliers=0.0)
     q = quantize(w.float(), spec, RotationSpec(kind="hadamard"), device=w.device)

@@ -147,7 +147,7 @@ def link_rotations(model: nn.Module) -> None:
             m.set_rotation(rot if isinstance(rot, RotationMaterial) else None)
 
 
-def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+def dequantize_model(model: Any, dtype: torch.dtype | None = None) -> nn.Module:
     """Every TQLinear back to a plain nn.Linear holding its weight in the original basis.
 
     The shared rotation holder (`model.tq`) goes too, so the state dict is an ordinary
@@ -169,6 +169,15 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
             if m.bias is not None:
                 plain.bias.copy_(m.bias.to(w.dtype))
         model.set_submodule(name, plain)
+    from tq_cli.runtime.head import TQEmbedding
+
+    emb = next((m for m in model.modules() if isinstance(m, TQEmbedding)), None)
+    if emb is not None:  # a head quantized as it loaded (tq_cli.runtime.head)
+        head = model.get_output_embeddings()
+        plain_emb = nn.Embedding(emb.num_embeddings, emb.embedding_dim,
+                                 device=head.weight.device, dtype=head.weight.dtype)
+        plain_emb.weight = head.weight  # tied again, as before quantizing
+        model.set_input_embeddings(plain_emb)
     if isinstance(getattr(model, "tq", None), nn.Module):
         del model.tq
     return model

@@ -101,7 +101,7 @@ class TQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global _warned_fallback
         native = self.__dict__.get("native_args")
-        if native is not None and torch.compiler.is_compiling():
+        if native is not None and x.device.type == "cpu" and torch.compiler.is_compiling():
             return self._native_forward(x, native)
         if x.is_cuda and self.backend != "triton" and not _warned_fallback:
             _warned_fallback = True
