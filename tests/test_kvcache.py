@@ -164,17 +164,23 @@ def test_generate_matches_full_precision_when_the_window_covers_everything() -> 
     assert out.shape == ref.shape and cache.memory()["code_bytes"] > 0
 
 
-@torch.no_grad()
-def test_tokens_are_encoded_once_and_never_requantized(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny_llama_model(layers=1)
-    encoded: list[int] = []
+@pytest.fixture
+def encoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token count of every StreamCodec.encode call from here on."""
+    sizes: list[int] = []
     original = StreamCodec.encode
 
     def counting(self: StreamCodec, x: torch.Tensor, order: Any) -> Any:
-        encoded.append(x.shape[2])
+        sizes.append(x.shape[2])
         return original(self, x, order)
 
     monkeypatch.setattr(StreamCodec, "encode", counting)
+    return sizes
+
+
+@torch.no_grad()
+def test_tokens_are_encoded_once_and_never_requantized(encoded: list[int]) -> None:
+    model = tiny_llama_model(layers=1)
     cache = kv_cache(model, bits=3, window=8, sinks=2)
     model(IDS[:, :20], cache=cache, use_cache=True)
     layer = cache.layers[0]
@@ -192,16 +198,8 @@ def test_tokens_are_encoded_once_and_never_requantized(monkeypatch: pytest.Monke
 
 
 @torch.no_grad()
-def test_decode_steps_encode_tokens_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_steps_encode_tokens_in_blocks(encoded: list[int]) -> None:
     model = tiny_llama_model(layers=1)
-    encoded: list[int] = []
-    original = StreamCodec.encode
-
-    def counting(self: StreamCodec, x: torch.Tensor, order: Any) -> Any:
-        encoded.append(x.shape[2])
-        return original(self, x, order)
-
-    monkeypatch.setattr(StreamCodec, "encode", counting)
     assert encode_block(24) == 3 and encode_block(128) == encode_block(4096) == 16
     assert encode_block(8) == encode_block(0) == 1
     cache = kv_cache(model, bits=3, window=24, sinks=2)

@@ -120,10 +120,11 @@ def _angles(rope: RotaryAngles, start: int, n: int, device: torch.device) -> tor
         return hit[1][:, :n]
 
 
-def _uncentered(enc: Encoded) -> torch.Tensor:
-    """[B, H, T] True where a key was coded as it was (its norm stored negative)."""
-    name = "norm" if "norm" in enc else "norm_hi"
-    return torch.signbit(enc[name])
+def _uncentered(enc: Encoded, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H, T] True where a key was coded as it was (its norm stored negative); only at
+    the token indices `cols`, when given."""
+    norm = enc["norm" if "norm" in enc else "norm_hi"]
+    return torch.signbit(norm if cols is None else norm.index_select(2, cols))
 
 
 def coded_scores(q: torch.Tensor, s: CodedStream) -> torch.Tensor:
@@ -151,8 +152,7 @@ def coded_scores(q: torch.Tensor, s: CodedStream) -> torch.Tensor:
             if cols is None:
                 f.mul_(_uncentered(enc).logical_not_()[:, :, None, :])
             elif cols.numel():  # only these few: take the term back where it was not added
-                name = "norm" if "norm" in enc else "norm_hi"
-                taken = torch.signbit(enc[name].index_select(2, cols))[:, :, None, :]
+                taken = _uncentered(enc, cols)[:, :, None, :]
                 f.index_add_(-1, cols, f.index_select(-1, cols) * taken, alpha=-1)
             out += f
         else:

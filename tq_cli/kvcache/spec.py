@@ -39,10 +39,13 @@ MIN_BITS, MAX_BITS = 1.0, 8.0
 MIN_VALUE_BITS = 3.0
 
 
-def _no_bool(value: object) -> object:
+def no_bool(value: object) -> object:
+    """A pydantic before-validator: True and False are not numbers (a lax int or float
+    field takes them as 1 and 0); anything else goes on to the field's own checks, so
+    "0" and "-1" from the command line still parse."""
     if isinstance(value, bool):
-        raise ValueError(f"must be a layer index, got {value!r}")
-    return value  # "0" and "-1" from the command line parse as indices
+        raise ValueError(f"must be a number, got {value!r}")
+    return value
 
 
 class KVSpec(BaseModel):
@@ -57,7 +60,7 @@ class KVSpec(BaseModel):
     window: StrictInt = Field(128, ge=0, description="most recent tokens kept in full precision")
     sinks: StrictInt = Field(1, ge=0, description="first tokens kept in full precision (the first "
                        "is an attention sink, read by every query)")
-    full_precision_layers: tuple[Annotated[int, BeforeValidator(_no_bool)], ...] = Field(
+    full_precision_layers: tuple[Annotated[int, BeforeValidator(no_bool)], ...] = Field(
         (), description="layer indices (negative counts from the end) kept in full precision")
     sliding: SlidingMode = Field(
         "full", description="sliding-window layers: 'full' keeps their bounded cache in full "

@@ -93,9 +93,7 @@ def enable_compiled(model: Any) -> bool:
     for m in model.modules():
         if isinstance(m, TQLinear):
             m.prepare_native(native)
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.compileable = True
+    quantizer = getattr(model, "hf_quantizer", None)  # its compile flag: set per call
     config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
     config._compile_all_devices = True  # type: ignore[assignment]  # else accelerators only
     original = model._prepare_cache_for_generation

@@ -32,7 +32,7 @@ from tq_cli.errors import CorruptFileError, TqError, UnsupportedError, first_err
 from tq_cli.io.checkpoint import SKIP_CHECKSUMS, check_checkpoint
 from tq_cli.io.format import converted_entries
 from tq_cli.io.source import resolve_source
-from tq_cli.kvcache.spec import MAX_BITS, MIN_BITS
+from tq_cli.kvcache.spec import MAX_BITS, MIN_BITS, no_bool
 from tq_cli.runtime.compiled import default_on, enable_compiled, why_not_compiled
 from tq_cli.runtime.hf_models import model_class
 from tq_cli.runtime.tq_linear import TQLinear
@@ -49,12 +49,6 @@ def _dtype(value: Any) -> torch.dtype | None:
                      f"{', '.join(str(d) for d in DTYPES)} (or None for the default)")
 
 
-def _no_bool(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError(f"must be a number, got {value!r}")
-    return value
-
-
 class LoadSpec(BaseModel):
     """`load`'s arguments, validated before anything is read, with the same rules as the
     CLI's (the device of `tq_cli.device`, the KV settings of `KVSpec`): a bad value is one
@@ -65,7 +59,7 @@ class LoadSpec(BaseModel):
     device: Annotated[Any, BeforeValidator(check_device)] = None
     dtype: Annotated[Any, BeforeValidator(_dtype)] = None
     verify_checksums: StrictBool = True
-    kv_bits: Annotated[float | None, BeforeValidator(_no_bool)] = Field(None, ge=MIN_BITS,
+    kv_bits: Annotated[float | None, BeforeValidator(no_bool)] = Field(None, ge=MIN_BITS,
                                                                           le=MAX_BITS)
     kv_window: StrictInt = Field(128, ge=0)
     compile: StrictBool | None = None
