@@ -44,6 +44,36 @@ def test_compiled_generate_gives_the_eager_tokens(llama_tq: Path) -> None:
 
     assert isinstance(out.cache, StaticCache) and out.cache.layers[0].max_cache_len == 256
     assert getattr(model, "_compiled_call", None) is not None  # transformers compiled it
+    assert model.config._attn_implementation == compiled.ATTENTION  # grouped heads in place
+    from tq_cli.kvcache.cache import code_attention_because
+
+    assert code_attention_because(model) is None  # a KV cache still attends on its codes
+
+
+def test_decode_attention_reads_grouped_heads_in_place() -> None:
+    """One query token in a compiled graph: SDPA over the key/value heads as they are,
+    equal bit for bit to sdpa over the heads repeated for every query head (what
+    transformers' sdpa records there); anything else is transformers' sdpa itself."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True  # type: ignore[assignment]
+    q, k, v = (torch.randn(1, h, t, 16, generator=g) for h, t in ((6, 1), (2, 40), (2, 40)))
+    mask = torch.ones(1, 1, 1, 40, dtype=torch.bool)
+    mask[..., 30:] = False
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor
+             ) -> torch.Tensor:
+        return compiled.decode_attention(module, q, k, v, m, scaling=0.25)[0]
+
+    got = torch.compile(step, backend="eager", fullgraph=True)(q, k, v, mask)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=mask, scale=0.25).transpose(1, 2)
+    assert torch.equal(got, want)
+    eager = step(q, k, v, mask)  # outside a graph: transformers' own
+    assert torch.equal(eager, sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0])
+    assert torch.allclose(eager, got, atol=1e-6)
 
 
 def test_the_operator_traces_with_its_shape_only_implementation(llama_tq: Path) -> None:
@@ -108,6 +138,8 @@ def test_head_quantized_as_it_loads(llama_tq: Path) -> None:
     model = tq_cli.load(llama_tq, device="cpu", compile=False, head_bits=8)
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     assert isinstance(head, TQLinear) and head.bits == 8
+    # levels on an integer grid: the CPU kernel decodes them without a table lookup
+    assert torch.equal(head.weight.codebook, torch.arange(256, dtype=torch.float32) - 127.5)
     info = model.tq_report["head"]
     tied = plain.config.tie_word_embeddings
     assert info["tied"] == tied and info["rel_error"] < 1e-4

@@ -200,6 +200,59 @@ def test_odd_groups_and_widths(isa: str, bits: int, n: int, group: int, gemm: bo
 
 
 @pytest.mark.parametrize("isa", cpu.ISAS)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_one_row_against_every_row_count(isa: str, bits: int) -> None:
+    """A decode step (one activation row) takes weight rows 4 at a time on AVX-512, then
+    2, then 1: a row's sum is the same sequence of operations in each (so any count of
+    rows gives every row the same value), and the reference's value."""
+    _runs(isa)
+    n, group = 200, 64
+    q = _quantized(bits, n, group)
+    x = torch.randn(1, n, generator=torch.Generator().manual_seed(bits))
+
+    def first(rows: int) -> torch.Tensor:
+        keep = q.outlier_idx < rows * n
+        return cpu.linear(x, None, 0, q.codes[:rows], q.scales[:rows], q.codebook,
+                          q.outlier_idx[keep], q.outlier_val[keep], None, bits=bits,
+                          group_size=group, out_features=rows, isa=isa, gemm_min_batch=0)
+
+    every = first(OUT)
+    for rows in (1, 2, 3, 5, 7):
+        assert torch.equal(first(rows), every[:, :rows]), rows
+    _check(every, _want(x, q, None, 0, None), torch.float32)
+
+
+@pytest.mark.parametrize("isa", cpu.ISAS)
+@pytest.mark.parametrize("gemm", [False, True], ids=["gemv", "gemm"])
+def test_affine_8bit_levels_decode_without_the_table_exactly(isa: str, gemm: bool) -> None:
+    """8-bit levels on an exact affine grid (k - 127.5, as the quantized lm_head stores
+    them) are decoded by arithmetic, not looked up: the same result bit for bit as the
+    lookup of the same levels (forced by changing a level no code uses, which breaks the
+    grid), and the reference's."""
+    _runs(isa)
+    n, group = 200, 64
+    q = _quantized(8, n, group)
+    codes = q.codes.clamp(max=254)  # level 255 unused
+    grid = torch.arange(256, dtype=torch.float32) - 127.5
+    broken = grid.clone()
+    broken[255] = 1e3
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(4))
+
+    def run(levels: torch.Tensor) -> torch.Tensor:
+        return cpu.linear(x, None, 0, codes, q.scales, levels, q.outlier_idx, q.outlier_val,
+                          None, bits=8, group_size=group, out_features=OUT, isa=isa,
+                          gemm_min_batch=1 if gemm else 0, gemm="fp32")
+
+    got = run(grid)
+    assert torch.equal(got, run(broken))
+    want = reference.add_outliers(
+        reference.grouped_matmul(x, codes, q.scales, grid, bits=8, group_size=group,
+                                 out_features=OUT, in_features=n),
+        x, q.outlier_idx, q.outlier_val, n)
+    _check(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("isa", cpu.ISAS)
 @pytest.mark.parametrize("gemm", [False, True], ids=["gemv", "gemm"])
 @pytest.mark.parametrize("mode", ["no_grad", "inference"])
 def test_shared_input_is_rotated_once_and_never_stale(isa: str, gemm: bool, mode: str) -> None:

@@ -39,6 +39,8 @@ from tq_cli.kvcache.rope import RotaryAngles
 from tq_kernels import kv as ops
 
 NAME = "tq_codes"  # the attention implementation tq registers
+# tq_cli.runtime.compiled's: sdpa with grouped heads read in place (sdpa's masks)
+COMPILED_SDPA = "tq_compiled_sdpa"
 _PM1 = torch.tensor([-1.0, 1.0])
 
 
@@ -261,5 +263,5 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-__all__ = ["NAME", "CodedKV", "CodedStream", "attend", "attention", "coded_scores",
+__all__ = ["COMPILED_SDPA", "NAME", "CodedKV", "CodedStream", "attend", "attention", "coded_scores",
            "coded_values", "mean_scores", "register"]

@@ -33,7 +33,7 @@ from transformers.cache_utils import (
 )
 
 from tq_cli.errors import UnsupportedError, first_error
-from tq_cli.kvcache.attend import NAME, register
+from tq_cli.kvcache.attend import COMPILED_SDPA, NAME, register
 from tq_cli.kvcache.layers import CodecBank, TurboQuantLayer, TurboQuantSlidingLayer
 from tq_cli.kvcache.rope import RotaryAngles, inv_freq_for
 from tq_cli.kvcache.spec import KVSpec, SplitPolicy, resolve_bits
@@ -198,7 +198,7 @@ def code_attention_because(model: Any) -> str | None:
         return (f"model type '{kind}' is not one tq attends on the codes for "
                 f"({', '.join(CODE_ATTENTION_TYPES)})")
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in ("sdpa", NAME):
+    if impl not in ("sdpa", NAME, COMPILED_SDPA):
         # tq's builds sdpa's masks: an eager model would get masks it does not read
         return f"it runs attention implementation '{impl}' (tq's stands in for sdpa only)"
     return None

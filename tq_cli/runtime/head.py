@@ -15,6 +15,7 @@ head as `tq convert` stored it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import SUFFIXES
-from tq_cli.quant.grouped import quantize
+from tq_cli.quant.grouped import QuantizedTensor, quantize
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
 from tq_kernels.reference import dequantize_codes
@@ -56,6 +57,16 @@ class TQEmbedding(nn.Module):
         return x.to(self.dtype).reshape(*ids.shape, -1)
 
 
+def integer_levels(q: QuantizedTensor) -> QuantizedTensor:
+    """An 8-bit uniform fit with its levels rescaled to k - 127.5 (the scales divided to
+    match): an exact affine grid, which the CPU kernel decodes with a convert and an fma
+    instead of a gather from the codebook (tq_kernels csrc/common.h, affine_levels)."""
+    half = (q.codebook.numel() - 1) / 2
+    levels = torch.arange(q.codebook.numel(), dtype=torch.float32) - half
+    scales = (q.scales.float() * (float(q.codebook[-1]) / half)).half()
+    return replace(q, codebook=levels.to(q.codebook.device), scales=scales)
+
+
 def quantize_head(model: Any, bits: int) -> dict[str, Any]:
     """Replace model's lm_head with a TQLinear of `bits` (and its tied input embedding with
     a TQEmbedding of the same weight); returns what was done, for `tq_report`."""
@@ -74,8 +85,11 @@ def quantize_head(model: Any, bits: int) -> dict[str, Any]:
     tied = (type(emb) is nn.Embedding and emb.max_norm is None
             and emb.weight.data_ptr() == w.data_ptr())
     # no outliers: a lookup then reads only its rows' codes and scales
-    spec = QuantSpec(bits=bits, group_size=GROUP, outliers=0.0)
+    spec = QuantSpec(bits=bits, group_size=GROUP, outliers=0.0,
+                     codebook="uniform" if bits == 8 else "lloyd-max")
     q = quantize(w.float(), spec, RotationSpec(kind="hadamard"), device=w.device)
+    if bits == 8:
+        q = integer_levels(q)
     dev = w.device
     layer = TQLinear(w.shape[1], w.shape[0], bits=bits, group_size=GROUP, specs={})
     for suffix in SUFFIXES:

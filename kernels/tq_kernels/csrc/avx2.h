@@ -16,6 +16,7 @@ namespace tqcpu::avx2 {
 using V = __m256;
 constexpr int kLanes = 8;
 constexpr int kRowTile = 1;  // 16 registers: no room for a second weight row
+constexpr int kDecodeRowTile = 1;
 
 inline V vzero() { return _mm256_setzero_ps(); }
 inline V vset1(float f) { return _mm256_set1_ps(f); }
@@ -27,6 +28,13 @@ inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 inline V vfmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline float half(uint16_t h) { return _cvtsh_ss(h); }
+
+// k <= 8 fp16 values from p as floats (lanes past k zero; nothing past p + k is read).
+inline V vhalves(const uint16_t* p, int64_t k) {
+  alignas(16) uint16_t t[8] = {};
+  std::memcpy(t, p, k * sizeof(uint16_t));
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
 
 struct Codebook {
   __m256 lo, hi;  // levels 0-7 and 8-15 (2- and 3-bit: replicated into lo)
@@ -50,6 +58,20 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// k fp16 values to floats, 8 at a time.
+void halves_to_floats(const uint16_t* h, float* f, int64_t k) {
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8)
+    _mm256_storeu_ps(f + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < k; ++i) f[i] = _cvtsh_ss(h[i]);
+}
+
+template <int RT>
+inline void hsums(const V (&t)[RT], float* y) {
+  for (int r = 0; r < RT; ++r) y[r] = hsum(t[r]);
 }
 
 // Walsh-Hadamard stages h = 1, 2, 4 inside one vector (see avx512.h).
@@ -96,6 +118,9 @@ inline void decode(const uint8_t* p0, const uint8_t* p1, const Codebook& cb, con
     w[3] = _mm256_permutevar8x32_ps(
         cb.lo, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(d, 6), low2),
                                _mm256_slli_epi32(_mm256_srli_epi32(h, 3), 2)));
+  } else if constexpr (BITS == kAffine8) {  // cbp = {a, b}: fma(k, b, a), the exact levels
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(cbp[1]),
+                           _mm256_set1_ps(cbp[0]));
   } else {
     w[0] = _mm256_i32gather_ps(cbp, d, 4);
   }

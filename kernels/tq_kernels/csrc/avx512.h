@@ -3,9 +3,10 @@
 // The codebook lives in one zmm register and a code is a vpermps index: vpermps reads
 // only the low 4 bits of each index, so 16 levels need no masking, and the 2- and 3-bit
 // codebooks are replicated across the 16 lanes so that garbage in index bits 2-3 picks
-// the same level. 8-bit codes gather from the 1 KiB codebook in L1. Compiled under a
-// target pragma, never -march, so one cached build loads on any x86-64; this code is
-// only called after a runtime CPU check. The row loops are rows.inc.
+// the same level. 8-bit codes gather from the 1 KiB codebook in L1, unless its levels
+// are an exact affine grid (kAffine8, common.h): then a convert and an fma decode them.
+// Compiled under a target pragma, never -march, so one cached build loads on any x86-64;
+// this code is only called after a runtime CPU check. The row loops are rows.inc.
 #pragma once
 #if defined(__x86_64__) || defined(_M_X64)
 
@@ -22,6 +23,7 @@ using V = __m512;
 using Codebook = __m512;
 constexpr int kLanes = 16;
 constexpr int kRowTile = 2;  // weight rows per pass over x (32 registers allow 2)
+constexpr int kDecodeRowTile = 4;  // ... and 4 when x is one row (rows.inc, kAcc)
 
 inline V vzero() { return _mm512_setzero_ps(); }
 inline V vset1(float f) { return _mm512_set1_ps(f); }
@@ -34,6 +36,34 @@ inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
 inline V vfmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline float hsum(V v) { return _mm512_reduce_add_ps(v); }
 inline float half(uint16_t h) { return _cvtsh_ss(h); }
+
+// k <= 16 fp16 values from p as floats (lanes past k zero; nothing past p + k is read).
+inline V vhalves(const uint16_t* p, int64_t k) {
+  const __mmask16 m = static_cast<__mmask16>((1u << k) - 1);
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+
+// y[r] = hsum(t[r]) for RT rows, with _mm512_reduce_add_ps's additions in its order
+// (upper + lower half, then quarters, then pairs), several rows per shuffle.
+template <int RT>
+inline void hsums(const V (&t)[RT], float* y) {
+  if constexpr (RT == 4) {
+    // [a_hi256 + a_lo256 | b_hi256 + b_lo256] and the same for c, d
+    const V ab = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0xEE),
+                               _mm512_shuffle_f32x4(t[0], t[1], 0x44));
+    const V cd = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0xEE),
+                               _mm512_shuffle_f32x4(t[2], t[3], 0x44));
+    // 128-bit lanes: [a_q1 + a_q0 | b .. | c .. | d ..]
+    const V q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0xDD),
+                              _mm512_shuffle_f32x4(ab, cd, 0x88));
+    const V p = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4E));  // lanes {2,3,0,1}
+    const V s = _mm512_add_ps(p, _mm512_permute_ps(p, 0xB1));  // element 0 + element 1
+    const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    _mm_storeu_ps(y, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, s)));
+  } else {
+    for (int r = 0; r < RT; ++r) y[r] = hsum(t[r]);
+  }
+}
 
 inline Codebook codebook_registers(const float* cb, int bits) {
   alignas(64) float t[16];
@@ -81,6 +111,9 @@ inline void decode(const uint8_t* p0, const uint8_t* p1, __m512 cb, const float*
     w[2] = _mm512_permutexvar_ps(_mm512_ternarylogic_epi32(low2, _mm512_srli_epi32(d, 4), h, 0xCA), cb);
     w[3] = _mm512_permutexvar_ps(
         _mm512_ternarylogic_epi32(low2, _mm512_srli_epi32(d, 6), _mm512_srli_epi32(h, 1), 0xCA), cb);
+  } else if constexpr (BITS == kAffine8) {  // cbp = {a, b}: fma(k, b, a), the exact levels
+    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(cbp[1]),
+                           _mm512_set1_ps(cbp[0]));
   } else {
     w[0] = _mm512_i32gather_ps(d, cbp, 4);
   }

@@ -83,7 +83,25 @@ struct Problem {
   const float* xp;          // [M, K] rotated activations in the variant's layout
   float* y;                 // y[m * ldy + row]
   int64_t ldy;
+  const float* affine;      // {a, b}: 8-bit levels exactly fma(k, b, a) (affine_levels); or null
 };
+
+// Pseudo code width for rows.inc: 8-bit codes whose levels are an exact affine grid,
+// decoded by arithmetic instead of a gather (same layout and values as 8).
+constexpr int kAffine8 = 9;
+
+// Whether levels[k] == fma(k, b, a) bit for bit for every k (a = levels[0], b = levels[1]
+// - levels[0]), the value a SIMD fma of the converted code gives: then decoding by
+// arithmetic yields exactly the looked-up levels. ab receives {a, b}.
+inline bool affine_levels(const float* levels, int count, float* ab) {
+  const float a = levels[0], b = levels[1] - levels[0];
+  if (!(std::isfinite(a) && std::isfinite(b) && b > 0.f)) return false;
+  for (int k = 0; k < count; ++k)
+    if (std::fma(static_cast<float>(k), b, a) != levels[k]) return false;
+  ab[0] = a;
+  ab[1] = b;
+  return true;
+}
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 

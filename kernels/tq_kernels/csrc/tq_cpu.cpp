@@ -143,27 +143,50 @@ void prep_rows(const Prep& p, const T* x, float* xr, float* xp, int64_t m0, int6
 
 struct Outliers {
   const int32_t* idx;  // ascending row-major flat indices (docs/format.md)
-  const uint16_t* val;  // fp16 bits
+  const float* val;    // the fp16 values, converted
   int64_t k;
   int64_t first(int64_t flat) const {
     return std::lower_bound(idx, idx + k, flat) - idx;
   }
 };
 
-// y[:, r0:r1] += x_rot @ S[r0:r1].T and + bias, walking the sorted outliers row by row.
+// y[:, r0:r1] += x_rot @ S[r0:r1].T, then + bias. The walk goes from outlier to outlier
+// (a decode step's layer has a few hundred among a thousand-odd rows), each output taking
+// its row's terms in index order in a register (y and xr may alias as far as the compiler
+// knows). Compiled without FMA (no target pragma here): each term is rounded as a
+// product, then as a sum.
 void epilogue(const Problem& P, const float* xr, const Outliers& o, const float* bias,
               int64_t r0, int64_t r1) {
-  int64_t j = o.first(r0 * P.n);
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t base = r * P.n, end = base + P.n;
-    for (; j < o.k && o.idx[j] < end; ++j) {
-      const int64_t c = o.idx[j] - base;
-      const float v = half_to_float(o.val[j]);
-      for (int64_t m = 0; m < P.M; ++m) P.y[m * P.ldy + r] += xr[m * P.n + c] * v;
+  const int64_t n = P.n, last = r1 * n;
+  int64_t j = o.first(r0 * n), r = r0, end = (r0 + 1) * n;
+  while (j < o.k && o.idx[j] < last) {
+    while (o.idx[j] >= end) {
+      ++r;
+      end += n;
     }
-    if (bias != nullptr)
-      for (int64_t m = 0; m < P.M; ++m) P.y[m * P.ldy + r] += bias[r];
+    int64_t j1 = j + 1;
+    while (j1 < o.k && o.idx[j1] < end) ++j1;
+    const int64_t base = end - n;
+    for (int64_t m = 0; m < P.M; ++m) {
+      const float* x = xr + m * n;
+      float y = P.y[m * P.ldy + r];
+      for (int64_t i = j; i < j1; ++i) y += x[o.idx[i] - base] * o.val[i];
+      P.y[m * P.ldy + r] = y;
+    }
+    j = j1;
   }
+  if (bias != nullptr)
+    for (int64_t q = r0; q < r1; ++q)
+      for (int64_t m = 0; m < P.M; ++m) P.y[m * P.ldy + q] += bias[q];
+}
+
+// The outliers' fp16 values as floats (F16C where the CPU has it: a decode step walks a
+// few thousand per layer).
+void outlier_floats(const uint16_t* h, float* f, int64_t k) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (best_isa() >= kAvx2) return avx2::halves_to_floats(h, f, k);
+#endif
+  for (int64_t i = 0; i < k; ++i) f[i] = half_to_float(h[i]);
 }
 
 // At least ~64k multiply-adds (a few microseconds) per task, so that a small layer at
@@ -220,7 +243,7 @@ bool gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outli
       for (int64_t r = r0; r < r1; ++r) {  // outliers go into W, so the GEMM adds them
         const int64_t base = r * P.n, end = base + P.n;
         for (; j < o.k && o.idx[j] < end; ++j)
-          W[(r - b0) * P.K + layout_pos(L, o.idx[j] - base)] += half_to_float(o.val[j]);
+          W[(r - b0) * P.K + layout_pos(L, o.idx[j] - base)] += o.val[j];
       }
       if (Wl != nullptr)  // while these rows are still in cache
         to_bf16(W + (r0 - b0) * P.K, Wl + (r0 - b0) * P.K, (r1 - r0) * P.K);
@@ -313,6 +336,7 @@ struct PrepCache {
   int64_t block = 0, bits = 0, K = 0;
   int eisa = -1;
   std::vector<float> xr, xp, y;  // y: float32 results for bf16/fp16 outputs (not cached)
+  std::vector<float> outliers;   // this call's outlier values as floats (not cached)
 
   static bool cacheable(const at::Tensor& t) { return !t.is_inference() && !t.requires_grad(); }
   static int64_t version_of(const at::Tensor& t) { return t.defined() ? t._version() : -1; }
@@ -329,6 +353,7 @@ struct PrepCache {
   // rather than kept for the next call, so the cache never holds more than that.
   void trim() {
     if (y.capacity() * sizeof(float) > kCacheBytes) std::vector<float>().swap(y);
+    if (outliers.capacity() * sizeof(float) > kCacheBytes) std::vector<float>().swap(outliers);
     if ((xr.capacity() + xp.capacity()) * sizeof(float) <= kCacheBytes) return;
     x = signs = at::Tensor();
     version = -1;
@@ -427,11 +452,15 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   float* y = dst.scalar_type() == at::kFloat ? dst.data_ptr<float>() : scratch(pc.y, M * out);
 
   const Planes pl = planes_for(static_cast<int>(bits));
+  float ab[2];  // 8-bit levels on an exact affine grid decode without a gather (common.h)
+  const bool affine = bits == 8 && affine_levels(codebook.data_ptr<float>(), 256, ab);
   const Problem P{codes.data_ptr<uint8_t>(), codes.size(1), npad * pl.width[0] / 8,
                   reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), groups,
                   codebook.data_ptr<float>(), static_cast<int>(bits), group_size, n, npad, K,
-                  M, xp, y, out};
-  const Outliers o{oi, reinterpret_cast<const uint16_t*>(outlier_val.data_ptr<at::Half>()), k};
+                  M, xp, y, out, affine ? ab : nullptr};
+  outlier_floats(reinterpret_cast<const uint16_t*>(outlier_val.data_ptr<at::Half>()),
+                 scratch(pc.outliers, k), k);
+  const Outliers o{oi, pc.outliers.data(), k};
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (gemm) {
     const auto fopt = x2.options().dtype(at::kFloat);
