@@ -92,6 +92,29 @@ def test_the_operator_traces_with_its_shape_only_implementation(llama_tq: Path) 
     assert torch.equal(torch.compile(layer, backend="eager")(x), layer(x))
 
 
+def test_guards_skipped_only_for_packed_tensor_checks() -> None:
+    """The decode step's guard filter drops dynamo's tensor checks on converted layers'
+    packed buffers (the operator checks those itself) and nothing else."""
+    from types import SimpleNamespace
+
+    layer = "args[0]._modules['model']._modules['layers']._modules['3']._modules['mlp']"
+    entries = [SimpleNamespace(guard_type=t, name=n) for t, n in [
+        ("TENSOR_MATCH", f"{layer}._modules['up_proj']._modules['weight']._buffers['codes']"),
+        ("TENSOR_MATCH", f"{layer}._modules['up_proj']._modules['weight']._buffers['scales']"),
+        ("TENSOR_MATCH", "args[0]._modules['tq']._modules['r576']._buffers['signs']"),
+        ("TENSOR_MATCH", f"{layer}._modules['up_proj']._buffers['col_scale']"),
+        ("TYPE_MATCH", f"{layer}._modules['up_proj']._modules['weight']._buffers['codes']"),
+        ("TYPE_MATCH", f"{layer}._modules['up_proj']"),
+        ("TENSOR_MATCH", "kwargs['input_ids']"),
+        ("TENSOR_MATCH", "kwargs['cache'].layers[0].keys"),
+        ("TENSOR_MATCH", f"{layer}._modules['up_proj']._buffers['codes_extra']"),
+        ("TENSOR_MATCH", f"{layer}._parameters['weight']"),
+    ]]
+    assert compiled.skip_packed_tensor_guards(entries) == [False] * 4 + [True] * 6
+    options = compiled.guard_options()
+    assert options is None or options["guard_filter_fn"] is compiled.skip_packed_tensor_guards
+
+
 def test_cache_buckets() -> None:
     assert [compiled.bucket(n) for n in (1, 256, 257, 1000, 5000)] == [256, 256, 512, 1024,
                                                                        8192]
