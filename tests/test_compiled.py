@@ -50,10 +50,13 @@ def test_compiled_generate_gives_the_eager_tokens(llama_tq: Path) -> None:
     assert code_attention_because(model) is None  # a KV cache still attends on its codes
 
 
-def test_decode_attention_reads_grouped_heads_in_place() -> None:
-    """One query token in a compiled graph: SDPA over the key/value heads as they are,
-    equal bit for bit to sdpa over the heads repeated for every query head (what
-    transformers' sdpa records there); anything else is transformers' sdpa itself."""
+def test_decode_attention_reads_grouped_heads_in_place(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """One query token in a compiled graph: attention over the key/value heads as they
+    are, never repeated for every query head (what transformers' sdpa records there):
+    SDPA's enable_gqa, equal bit for bit to sdpa over the repeated heads, or tq's operator
+    over the cached positions only, equal to float rounding; anything else is
+    transformers' sdpa itself."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     g = torch.Generator().manual_seed(0)
@@ -67,13 +70,19 @@ def test_decode_attention_reads_grouped_heads_in_place() -> None:
              ) -> torch.Tensor:
         return compiled.decode_attention(module, q, k, v, m, scaling=0.25)[0]
 
-    got = torch.compile(step, backend="eager", fullgraph=True)(q, k, v, mask)
     want = torch.nn.functional.scaled_dot_product_attention(
         q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=mask, scale=0.25).transpose(1, 2)
-    assert torch.equal(got, want)
+    for native in (False, True):
+        monkeypatch.setattr(compiled, "_native_attention", native)
+        torch._dynamo.reset()
+        got = torch.compile(step, backend="eager", fullgraph=True)(q, k, v, mask)
+        if native:
+            assert torch.allclose(got, want, atol=1e-6)
+        else:
+            assert torch.equal(got, want)
     eager = step(q, k, v, mask)  # outside a graph: transformers' own
     assert torch.equal(eager, sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0])
-    assert torch.allclose(eager, got, atol=1e-6)
+    assert torch.allclose(eager, want, atol=1e-6)
 
 
 def test_the_operator_traces_with_its_shape_only_implementation(llama_tq: Path) -> None:

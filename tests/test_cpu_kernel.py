@@ -334,6 +334,35 @@ def test_rotate_matches_reference(n: int, block: int, dtype: torch.dtype) -> Non
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("case", ["prefix", "left_padding", "batch", "none", "all"])
+def test_decode_attention_reads_only_the_unmasked_run(case: str) -> None:
+    """One query token over a static cache: SDPA over the unmasked run of positions only,
+    grouped heads read in place; the same as SDPA over the whole cache with the mask (to
+    float rounding) for a prefix, left padding, rows of different lengths, no position
+    unmasked and every position unmasked."""
+    g = torch.Generator().manual_seed(1)
+    b = 2 if case == "batch" else 1
+    q = torch.randn(b, 6, 1, 32, generator=g)
+    k, v = (torch.randn(b, 2, 64, 32, generator=g) for _ in range(2))
+    mask = torch.zeros(b, 1, 1, 64, dtype=torch.bool)
+    if case == "prefix":
+        mask[..., :21] = True
+    elif case == "left_padding":
+        mask[..., 5:30] = True
+    elif case == "batch":
+        mask[0, ..., :40] = True
+        mask[1, ..., 7:12] = True
+    elif case == "all":
+        mask[:] = True
+    got = cpu.decode_attention(q, k, v, mask, 0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask, scale=0.3)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.allclose(got, want, atol=2e-6, equal_nan=True)
+    with pytest.raises(RuntimeError, match="bool mask"):
+        cpu.decode_attention(q, k, v, mask.float(), 0.3)
+
+
 def test_outliers_are_added_exactly() -> None:
     """A zero codebook leaves only the outliers: y must be exactly x @ S.T + bias."""
     n, out = 24, 3

@@ -79,8 +79,13 @@ def _register_fakes() -> None:
     def rotate_fake(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
         return x.new_empty(x.shape)  # the operator returns a contiguous tensor
 
+    def decode_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              mask: torch.Tensor, scale: float) -> torch.Tensor:
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))  # contiguous, as the operator's
+
     torch.library.register_fake("tq_cpu::linear", linear_fake)
     torch.library.register_fake("tq_cpu::rotate", rotate_fake)
+    torch.library.register_fake("tq_cpu::decode_attention", decode_attention_fake)
 
 
 def available() -> bool:
@@ -193,6 +198,15 @@ def native_args() -> tuple[int, int, bool, bool]:
     the one it rotated last."""
     _require()
     return _cap(), GEMM_MIN_BATCH, _gemm_bf16(), False
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """SDPA of one query token [B, Hq, 1, D] over a static cache k/v [B, Hkv, S, D] (grouped
+    heads read in place), reading only the run of positions the bool mask [B or 1, 1, 1, S]
+    leaves unmasked; [B, Hq, 1, Dv], contiguous."""
+    _require()
+    return torch.ops.tq_cpu.decode_attention.default(q, k, v, mask, scale)
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:

@@ -103,8 +103,18 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             or kwargs.get("output_attentions")):
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask,
                                                dropout=dropout, scaling=scaling, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+    if (_native_attention and attention_mask is not None
+            and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
+            and attention_mask.shape[1:3] == (1, 1) and query.device.type == "cpu"
+            and query.dtype == key.dtype == value.dtype == torch.float32):
+        # only the cached positions (tq_kernels.cpu.decode_attention; called directly, as
+        # TQLinear's operator is: a Python check inside the graph would break it)
+        out = torch.ops.tq_cpu.decode_attention.default(
+            query, key, value, attention_mask,
+            query.shape[-1] ** -0.5 if scaling is None else scaling)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -131,8 +141,16 @@ def guard_options() -> dict[str, Any] | None:
     return {"guard_filter_fn": skip_packed_tensor_guards}
 
 
+_native_attention = False  # tq's decode_attention operator traceable (set when enabling)
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
+
+    from tq_kernels import cpu
+
+    global _native_attention
+    _native_attention = cpu.traceable()
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTENTION, decode_attention)

@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -504,6 +505,42 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, int64_t block) {
   return x.scalar_type() == at::kFloat ? xr : xr.to(x.scalar_type());
 }
 
+// Attention of one query token over a static KV cache whose unmasked positions are a
+// run lo..hi (a prefix, after any left padding): SDPA (grouped heads read in place) over
+// that run only, so a step reads the tokens cached so far, not the cache's whole length.
+// q [B, Hq, 1, D], k and v [B, Hkv, S, D], mask bool [B or 1, 1, 1, S] (true: attend).
+// Masked positions would add exp(-inf) = 0 to every sum, so the result is SDPA's over the
+// whole cache up to the order of float additions.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 &&
+                  mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(1) == 1 &&
+                  mask.size(2) == 1 && mask.size(3) == k.size(2) &&
+                  (mask.size(0) == 1 || mask.size(0) == q.size(0)),
+              "tq_cpu.decode_attention: q [B, H, 1, D], k/v [B, Hkv, S, D] and a bool mask "
+              "[B or 1, 1, 1, S] expected");
+  const at::Tensor m = mask.contiguous();
+  const bool* p = m.data_ptr<bool>();
+  const int64_t S = m.size(3);
+  int64_t lo = S, hi = -1;
+  for (int64_t b = 0; b < m.size(0); ++b)
+    for (int64_t s = 0; s < S; ++s)
+      if (p[b * S + s]) {
+        lo = std::min(lo, s);
+        hi = std::max(hi, s);
+      }
+  if (hi < lo) lo = 0, hi = S - 1;  // nothing unmasked: SDPA's own answer for that
+  const int64_t len = hi - lo + 1;
+  bool whole = hi >= lo;  // every row unmasked over lo..hi: no mask to convert and apply
+  for (int64_t b = 0; b < m.size(0) && whole; ++b)
+    for (int64_t s = lo; s <= hi && whole; ++s) whole = p[b * S + s];
+  const std::optional<at::Tensor> run =
+      whole ? std::nullopt : std::optional<at::Tensor>(m.narrow(3, lo, len));
+  return at::scaled_dot_product_attention(q, k.narrow(2, lo, len), v.narrow(2, lo, len), run,
+                                          0.0, false, scale, /*enable_gqa=*/true)
+      .contiguous();
+}
+
 int64_t cpu_isa() { return best_isa(); }
 
 bool bf16_gemm() { return has_bf16_gemm(); }
@@ -515,7 +552,7 @@ int64_t kernel_isa(int64_t isa, int64_t bits, int64_t group_size) {
 }  // namespace
 }  // namespace tqcpu
 
-// linear and rotate are CPU kernels (not catch-all), so torch.compile can trace them with
+// linear, rotate and decode_attention are CPU kernels (not catch-all), so torch.compile can trace them with
 // the shape-only implementations tq_kernels.cpu registers (torch.library.register_fake).
 TORCH_LIBRARY(tq_cpu, m) {
   m.def("linear(Tensor x, Tensor? signs, int block, Tensor codes, Tensor scales, "
@@ -523,6 +560,7 @@ TORCH_LIBRARY(tq_cpu, m) {
         "int group_size, int out_features, int isa, int gemm_min_batch, bool bf16_gemm, "
         "bool reuse_input=True) -> Tensor");
   m.def("rotate(Tensor x, Tensor signs, int block) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("cpu_isa() -> int", &tqcpu::cpu_isa);
   m.def("bf16_gemm() -> bool", &tqcpu::bf16_gemm);
   m.def("kernel_isa(int isa, int bits, int group_size) -> int", &tqcpu::kernel_isa);
@@ -531,4 +569,5 @@ TORCH_LIBRARY(tq_cpu, m) {
 TORCH_LIBRARY_IMPL(tq_cpu, CPU, m) {
   m.impl("linear", &tqcpu::linear);
   m.impl("rotate", &tqcpu::rotate);
+  m.impl("decode_attention", &tqcpu::decode_attention);
 }
