@@ -102,8 +102,8 @@ def test_the_operator_traces_with_its_shape_only_implementation(llama_tq: Path) 
 
 
 def test_guards_skipped_only_for_packed_tensor_checks() -> None:
-    """The decode step's guard filter drops dynamo's tensor checks on converted layers'
-    packed buffers (the operator checks those itself) and nothing else."""
+    """The decode step's guard filter drops dynamo's tensor checks on the packed buffers
+    tq's operator checks itself, and nothing else (column scales feed a traced kernel)."""
     from types import SimpleNamespace
 
     layer = "args[0]._modules['model']._modules['layers']._modules['3']._modules['mlp']"
@@ -111,7 +111,8 @@ def test_guards_skipped_only_for_packed_tensor_checks() -> None:
         ("TENSOR_MATCH", f"{layer}._modules['up_proj']._modules['weight']._buffers['codes']"),
         ("TENSOR_MATCH", f"{layer}._modules['up_proj']._modules['weight']._buffers['scales']"),
         ("TENSOR_MATCH", "args[0]._modules['tq']._modules['r576']._buffers['signs']"),
-        ("TENSOR_MATCH", f"{layer}._modules['up_proj']._buffers['col_scale']"),
+        ("TENSOR_MATCH", f"{layer}._modules['up_proj']._modules['weight']._buffers['codebook']"),
+        ("TENSOR_MATCH", f"{layer}._modules['up_proj']._buffers['col_scale']"),  # x * t: traced
         ("TYPE_MATCH", f"{layer}._modules['up_proj']._modules['weight']._buffers['codes']"),
         ("TYPE_MATCH", f"{layer}._modules['up_proj']"),
         ("TENSOR_MATCH", "kwargs['input_ids']"),
@@ -119,7 +120,7 @@ def test_guards_skipped_only_for_packed_tensor_checks() -> None:
         ("TENSOR_MATCH", f"{layer}._modules['up_proj']._buffers['codes_extra']"),
         ("TENSOR_MATCH", f"{layer}._parameters['weight']"),
     ]]
-    assert compiled.skip_packed_tensor_guards(entries) == [False] * 4 + [True] * 6
+    assert compiled.skip_packed_tensor_guards(entries) == [False] * 4 + [True] * 7
     options = compiled.guard_options()
     assert options is None or options["guard_filter_fn"] is compiled.skip_packed_tensor_guards
 

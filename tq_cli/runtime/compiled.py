@@ -92,9 +92,10 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     """transformers' sdpa attention, except for one query token inside a compiled graph
     with grouped key/value heads: there transformers' sdpa repeats the cache's heads for
     every query head (on the CPU; eagerly it folds the groups into the query instead, which
-    dynamo does not trace). SDPA's `enable_gqa` reads them in place, with the same result
-    bit for bit (SmolLM2: 9 query heads on 3 key/value heads, 83 -> 32 us a layer at 256
-    cached tokens, eagerly, 1 thread)."""
+    dynamo does not trace). Here they are read in place: by tq's operator over the cached
+    positions only (`tq_kernels.cpu.decode_attention`, float32 with a bool mask), else by
+    SDPA's `enable_gqa`, with the repeat's result bit for bit (SmolLM2: 9 query heads on 3
+    key/value heads, 83 -> 32 us a layer at 256 cached tokens, eagerly, 1 thread)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -118,18 +119,20 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(1, 2).contiguous(), None
 
 
-# The packed tensors of converted layers: their shapes and dtypes are checked by tq's
-# operator on every call, so dynamo need not check them before every step.
-_PACKED = re.compile(r"\._buffers\['(codes|scales|codebook|outlier_idx|outlier_val|signs|"
-                     r"col_scale)'\]$")
+# The tensors converted layers hand to tq's operator, which checks their shapes (and
+# converts their dtypes) on every call, so dynamo need not check them before every step.
+# Not col_scale: its `x * t` is a compiled elementwise kernel, sized when it was traced.
+_PACKED = re.compile(r"\._buffers\['(codes|scales|codebook|outlier_idx|outlier_val|"
+                     r"signs)'\]$")
 
 
 def skip_packed_tensor_guards(entries: list[Any]) -> list[bool]:
     """A dynamo guard filter: keep every guard but the tensor checks (shape, dtype, strides)
-    on converted layers' packed tensors. A decode step re-checks about 1,270 of those on
-    SmolLM2 (+6% tokens/s without them, 1 thread); the operator refuses a packed tensor of
-    the wrong shape itself and converts other dtypes, and every guard on the modules (a
-    layer replaced, a hook added, `model.dequantize()`) still recompiles."""
+    on the packed tensors converted layers pass to tq's operator. A decode step re-checks
+    about 1,050 of those on SmolLM2 (+6% tokens/s without them, 1 thread); the operator
+    refuses a packed tensor of the wrong shape itself and converts other dtypes, and every
+    guard on the modules (a layer replaced, a hook added, `model.dequantize()`) still
+    recompiles."""
     return [not (e.guard_type == "TENSOR_MATCH" and _PACKED.search(e.name)) for e in entries]
 
 

@@ -552,8 +552,9 @@ int64_t kernel_isa(int64_t isa, int64_t bits, int64_t group_size) {
 }  // namespace
 }  // namespace tqcpu
 
-// linear, rotate and decode_attention are CPU kernels (not catch-all), so torch.compile can trace them with
-// the shape-only implementations tq_kernels.cpu registers (torch.library.register_fake).
+// linear, rotate and decode_attention are CPU kernels (not catch-all), so torch.compile
+// can trace them with the shape-only implementations tq_kernels.cpu registers
+// (torch.library.register_fake).
 TORCH_LIBRARY(tq_cpu, m) {
   m.def("linear(Tensor x, Tensor? signs, int block, Tensor codes, Tensor scales, "
         "Tensor codebook, Tensor outlier_idx, Tensor outlier_val, Tensor? bias, int bits, "
