@@ -39,7 +39,7 @@ EPILOG = """Examples:
 FLAGS = {
     "device": "--device", "max_shard_bytes": "--shard-size", "bit_choices": "--bit-choices",
     "target_bits": "--target-bits", "damp": "--damp", "synthetic_calib": "--synthetic-calib",
-    "fast": "--fast",
+    "fast": "--fast", "head_bits": "--head-bits",
     "": "convert options",
     "quant": "quantization options", "rotation": "rotation options",
 }
@@ -49,6 +49,11 @@ SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
 def _choices(text: str) -> list[int | str]:
     """'3,4' -> [3, 4]; a non-number is passed through for validation to name."""
     return [int(x) if x.strip().isdigit() else x.strip() for x in text.split(",")]
+
+
+def _number(text: str) -> int | str:
+    """'8' -> 8; anything else is passed through for validation to name."""
+    return int(text) if text.strip().isdigit() else text
 
 
 def parse_size(text: str) -> int:
@@ -95,6 +100,9 @@ def main(
                                              "choose each tensor's bits for this average."),
     bit_choices: str = typer.Option("2,3,4", "--bit-choices", help="With --target-bits: the "
                                     "widths to choose from."),
+    head_bits: str = typer.Option("none", "--head-bits", help="Store lm_head (and the input "
+                                  "embedding tied to it) quantized: 8 | 4 | none (kept as "
+                                  "it is)."),
     recipe: str | None = typer.Option(None, "--recipe",
                                       help="Recipe name (llama, bert, generic) or TOML path."),
     vision: bool = typer.Option(False, "--vision", help="An image-text model (LLaVA, Gemma 3, "
@@ -119,6 +127,7 @@ def main(
             "calib": str(calib) if calib is not None else None, "damp": damp,
             "act_order": act_order, "synthetic_calib": synthetic_calib, "fast": fast,
             "target_bits": target_bits, "vision": vision,
+            "head_bits": None if head_bits == "none" else _number(head_bits),
             "bit_choices": _choices(bit_choices),
         })
     except ValueError as e:  # pydantic's ValidationError, or --temperature's parser

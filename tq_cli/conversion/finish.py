@@ -15,7 +15,7 @@ import torch
 
 from tq_cli.conversion.card import render_card
 from tq_cli.conversion.spec import ConvertResult, ConvertSpec
-from tq_cli.io.format import CONVERTED, FORMAT_VERSION, MANIFEST
+from tq_cli.io.format import CONVERTED, MANIFEST
 from tq_cli.io.integrity import config_digest, manifest_digest
 from tq_cli.io.manifest import quantization_config, write_json
 from tq_cli.io.output import PLAN_FILE, copy_other_files, swap_into_place
@@ -47,6 +47,8 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
             entry["module"] = tp.module
         if tp.expert is not None:
             entry["expert"] = tp.expert.record()
+        if tp.embedding is not None:
+            entry["embedding"] = tp.embedding
         if tp.note is not None:
             entry["kept_because"] = tp.note
         if tp.action == CONVERTED:
@@ -93,9 +95,11 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
     # config.json and the manifest record each other's digest (docs/format.md).
     config = dict(plan.source.config or {})
     config["quantization_config"] = quantization_config(
-        spec.quant.model_dump(), spec.rotation.model_dump(), spec.rotation.block, kept_modules)
+        spec.quant.model_dump(), spec.rotation.model_dump(), spec.rotation.block, kept_modules,
+        plan.format_version, next((t.quant.bits for t in plan.converted
+                                   if t.head and t.quant is not None), None))
     manifest: dict = {
-        "format_version": FORMAT_VERSION,
+        "format_version": plan.format_version,
         "tq_version": __version__,
         "source": {"path": str(plan.source.folder), "name": plan.source.folder.name,
                    "fingerprint": plan.source.fingerprint, "bytes": plan.source.total_bytes},
@@ -115,7 +119,7 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
     } | provenance
     write_json(partial / MANIFEST, manifest)
     index = {"metadata": {"total_size": sum(s.nbytes for s in plan.layout.slots.values()),
-                          "format": "tq", "tq_format_version": FORMAT_VERSION},
+                          "format": "tq", "tq_format_version": plan.format_version},
              "weight_map": {k: s.shard for k, s in plan.layout.slots.items()}}
     write_json(partial / INDEX_NAME, index)
     config["quantization_config"]["manifest_sha256"] = manifest_digest(manifest)

@@ -256,7 +256,7 @@ def choose_bits(plan: Plan, target: float, choices: tuple[int, ...], device: tor
     options: dict[str, dict[int, tuple[float, int]]] = {}
     numel: dict[str, int] = {}
     rotations: dict[str, Rotation] = {}
-    todo = plan.converted
+    todo = [t for t in plan.converted if not t.head]  # a head keeps its own bits
     for i, tp in enumerate(todo):
         assert tp.quant is not None and tp.rotation is not None
         name = tp.info.name

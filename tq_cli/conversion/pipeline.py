@@ -37,6 +37,7 @@ from tq_cli.quant.grouped import (
     scan_values,
     set_fit_threads,
 )
+from tq_cli.quant.head import finish_head
 from tq_cli.quant.rotation import Rotation
 
 
@@ -245,8 +246,11 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             norm = float(torch.linalg.vector_norm(item.w_rot, dtype=torch.float64) ** 2)
             item.col_scale = sinkhorn_columns(item.w_rot)
             item.w_rot = rotate_owned(item.w_rot.div_(item.col_scale), item.rotation)
-        res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device, calib,
-                              item.col_scale, norm)
+        head = item.plan.head  # the weight-only fit on the head's grid (tq_cli.quant.head)
+        res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device,
+                              None if head else calib, item.col_scale, norm)
+        if head:
+            res = replace(res, q=finish_head(res.q))
         if item.original is not None:  # the error of what is stored against what was read
             w0 = item.original
             err = float(torch.linalg.vector_norm(w0 - dequantize(res.q), dtype=torch.float64))

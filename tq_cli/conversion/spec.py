@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -51,6 +51,9 @@ class ConvertSpec(BaseModel):
     target_bits: float | None = Field(None, gt=1.0, le=8.5, description="mixed precision: "
                                       "average bits per weight to reach")
     bit_choices: tuple[int, ...] = (2, 3, 4)
+    head_bits: Literal[4, 8] | None = Field(
+        None, description="store lm_head (and the input embedding tied to it) quantized at "
+        "these bits (tq_cli.quant.head); None keeps it as the source has it")
 
     @model_validator(mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""The checkpoint format (version 2), defined once: what a tq folder stores, under which
+"""The checkpoint format (version 3), defined once: what a tq folder stores, under which
 names.
 
 Every writer and reader of a checkpoint asks this module instead of spelling the format
@@ -39,7 +39,11 @@ from tq_kernels.packing import packed_row_bytes
 
 # 2: a converted weight may store column scales (`COL_SCALE`); version 1 folders (none
 # do) read as before, and a reader of version 1 refuses a version 2 folder by name.
-FORMAT_VERSION = 2
+# 3: a converted lm_head may also be the model's input embedding (`ConvertedEntry.
+# embedding`: a tied head stored once, quantized). A conversion writes the lowest version
+# that describes its folder (`version_for`), so folders without one stay version 2.
+FORMAT_VERSION = 3
+TIED_HEAD_VERSION = 3
 QUANT_METHOD = "turboquant"
 MANIFEST = "tq_manifest.json"
 
@@ -60,7 +64,7 @@ __all__ = ["ALL_SUFFIXES", "COL_SCALE", "CONVERTED", "FORMAT_VERSION", "GUARD", 
            "GUARD_SHAPE", "MANIFEST",
            "QUANT_METHOD", "ROLES", "ROTATION_PREFIX", "SUFFIXES", "ConvertedEntry", "Expert",
            "check_format_version", "converted_entries", "rotation_key", "storage_layout",
-           "stored_key", "stored_tensors"]
+           "stored_key", "stored_tensors", "version_for"]
 
 
 def stored_key(weight: str, suffix: str) -> str:
@@ -97,6 +101,12 @@ def stored_tensors(weight: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
                          "the column scales the fit returned")
     suffixes = (*SUFFIXES, COL_SCALE) if q.col_scale is not None else SUFFIXES
     return {stored_key(weight, s): getattr(q, s) for s in suffixes}
+
+
+def version_for(tied_head: bool) -> int:
+    """The format version a conversion writes: 3 where a converted head is also the input
+    embedding (only a version 3 reader loads that), 2 otherwise."""
+    return TIED_HEAD_VERSION if tied_head else 2
 
 
 def check_format_version(where: str | Path, version: int) -> None:
@@ -139,6 +149,9 @@ class ConvertedEntry:
     # it (a VLM's language model); None: `X` of `X.weight`.
     placed: str | None = None
     expert: Expert | None = None  # one expert of a mixture-of-experts layer
+    # A converted lm_head tied to the input embedding (format version 3): the embedding
+    # module's path in the built model, which reads its rows from this weight.
+    embedding: str | None = None
 
     @property
     def module(self) -> str:
@@ -181,10 +194,15 @@ def _converted(e: Mapping[str, Any]) -> ConvertedEntry:
     if not (placed is None or isinstance(placed, str)):
         raise ValueError(f"converted tensor '{name}' has a module that is not a name")
     expert = _expert(name, e.get("expert"))
+    embedding = e.get("embedding")
+    if not (embedding is None or isinstance(embedding, str)) or (
+            embedding is not None and (expert is not None or kind != "hadamard")):
+        raise ValueError(f"converted tensor '{name}' has an embedding that is not a name of "
+                         "a Hadamard-rotated head")
     return ConvertedEntry(name=name, shape=(shape[0], shape[1]), spec=qs, rotation_kind=kind,
                           block=block, seed=seed, rotation_id=rid,
                           rel_error=float(rel) if isinstance(rel, int | float) else None,
-                          placed=placed, expert=expert)
+                          placed=placed, expert=expert, embedding=embedding)
 
 
 def _expert(name: str, record: Any) -> Expert | None:

@@ -52,12 +52,14 @@ def read_manifest(folder: Path) -> dict:
 
 
 def quantization_config(quant: dict, rotation: dict, block: int | None,
-                        kept_modules: list[str]) -> dict:
+                        kept_modules: list[str], version: int = FORMAT_VERSION,
+                        head_bits: int | None = None) -> dict:
     """The config.json entry that marks a folder as a TurboQuant checkpoint; `finish` adds
-    the manifest's digest (tq_cli.io.integrity.manifest_digest) for readers to check."""
+    the manifest's digest (tq_cli.io.integrity.manifest_digest) for readers to check.
+    `head_bits`: lm_head stored quantized at these bits (tq_cli.quant.head)."""
     return {
         "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         "bits": quant["bits"],
         "group_size": quant["group_size"],
         "codebook": quant["codebook"],
@@ -67,7 +69,7 @@ def quantization_config(quant: dict, rotation: dict, block: int | None,
         "rotation_block": block,
         "seed": rotation["seed"],
         "modules_to_not_convert": kept_modules,
-    }
+    } | ({"head_bits": head_bits} if head_bits is not None else {})
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -18,17 +18,18 @@ from pydantic import ValidationError
 from tq_cli.errors import RecipeError, UnsupportedError, first_error
 from tq_cli.io.format import (
     CONVERTED,
-    FORMAT_VERSION,
     GUARD_DTYPE,
     GUARD_SHAPE,
     Expert,
     rotation_key,
     storage_layout,
     stored_key,
+    version_for,
 )
 from tq_cli.io.safetensors_reader import FLOAT_DTYPES, SourceModel, TensorInfo
 from tq_cli.io.writer import Layout, plan_layout
 from tq_cli.planning.recipe import Recipe
+from tq_cli.quant.head import head_rotation, head_spec
 from tq_cli.quant.rotation import material_layout, resolve_block, rotation_id
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_cli.version import __version__
@@ -38,6 +39,17 @@ Key = tuple[str, str, tuple[int, ...]]
 # nn.Linear, so a converted one could never be loaded.
 EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_positions|word_embeddings|position_embeddings"
                        r"|token_type_embeddings|wte|wpe|shared|embeddings)(\.|$)")
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """lm_head stored quantized (tq_cli.quant.head): its source tensor, the module it runs
+    as where that is not `X` of `X.weight`, and the input embedding tied to it."""
+
+    name: str
+    module: str | None
+    embedding: str | None
+    bits: int
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,8 @@ class TensorPlan:
     module: str | None = None  # converted: the nn.Linear it runs as, when not `X` of `X.weight`
     expert: Expert | None = None  # converted: one expert's projection of a MoE layer
     note: str | None = None  # kept although the recipe converts it: why
+    head: bool = False  # converted: the model's lm_head (HeadPlan), weight-only fit
+    embedding: str | None = None  # converted head: the input embedding tied to it
 
 
 @dataclass(frozen=True)
@@ -87,13 +101,20 @@ class Plan:
     def converted(self) -> list[TensorPlan]:
         return [t for t in self.tensors if t.action == CONVERTED]
 
+    @property
+    def format_version(self) -> int:
+        """The format version the checkpoint is written in (tq_cli.io.format.version_for)."""
+        return version_for(any(t.embedding is not None for t in self.tensors))
+
     def hash(self) -> str:
         desc = {
-            "tq": __version__, "format": FORMAT_VERSION, "source": self.source.fingerprint,
+            "tq": __version__, "format": self.format_version,
+            "source": self.source.fingerprint,
             "recipe": self.recipe.model_dump(), "quant": self.quant.model_dump(),
             "rotation": self.rotation.model_dump(),
             "tensors": [[t.info.name, t.action, t.quant.model_dump() if t.quant else None,
-                         t.rotation_id, t.module] for t in self.tensors],
+                         t.rotation_id, t.module]
+                        + ([t.embedding, "head"] if t.head else []) for t in self.tensors],
             "layout": self.layout.describe(),
         }
         if self.extra:
@@ -107,13 +128,15 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
               bits: dict[str, int] | None = None,
               modules: Mapping[str, str] | None = None,
               keep: Mapping[str, str] | None = None,
-              experts: Mapping[str, Expert] | None = None) -> Plan:
+              experts: Mapping[str, Expert] | None = None,
+              head: HeadPlan | None = None) -> Plan:
     """Decide every tensor's fate and the output layout; raises on anything unworkable.
 
     From what transformers will build (tq_cli.planning.prepare): `modules` names the
     nn.Linear a converted tensor runs as where that is not `X` of `X.weight`; `keep`
     holds the tensors the recipe converts that tq could not run, with the reason;
-    `experts` the converted tensors that are one expert's projection of a MoE layer."""
+    `experts` the converted tensors that are one expert's projection of a MoE layer;
+    `head` the lm_head, when it is stored quantized."""
     qc = (source.config or {}).get("quantization_config")
     if qc:
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
@@ -134,52 +157,61 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
     rotations: dict[str, RotationPlan] = {}
     users: dict[str, int] = {}
     for info in source.tensors.values():
-        rule = recipe.rule_for(info.name)
-        if rule is None or rule.action == "keep" or info.numel == 0:
-            tensors.append(TensorPlan(info, "keep", keys=((info.name, info.dtype, info.shape),),
-                                      note=None if rule else _fused_experts(info)))
-            continue
-        if len(info.shape) != 2:
-            if recipe.skip_non_2d:
-                tensors.append(TensorPlan(info, "keep",
-                                          keys=((info.name, info.dtype, info.shape),),
-                                          note=_fused_experts(info)))
+        is_head = head is not None and info.name == head.name
+        if head is not None and is_head:
+            if len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
+                raise UnsupportedError(
+                    f"{info.file.name}: tensor '{info.name}' is the model's lm_head but has "
+                    f"shape {list(info.shape)} and dtype {info.dtype}; tq stores a 2-D float "
+                    "head quantized only: pass --head-bits none")
+            spec, rot, expert = head_spec(head.bits), head_rotation(rotation.seed), None
+        else:
+            rule = recipe.rule_for(info.name)
+            if rule is None or rule.action == "keep" or info.numel == 0:
+                tensors.append(TensorPlan(info, "keep", keys=((info.name, info.dtype, info.shape),),
+                                          note=None if rule else _fused_experts(info)))
                 continue
-            raise UnsupportedError(
-                f"{info.file.name}: tensor '{info.name}' has shape {list(info.shape)}, but "
-                f"recipe '{recipe.name}' converts it and only 2-D weights can be; "
-                "add a keep rule for it")
-        if info.dtype not in FLOAT_DTYPES:
-            raise UnsupportedError(
-                f"{info.file.name}: tensor '{info.name}' has dtype {info.dtype}, which tq "
-                f"cannot quantize (only {', '.join(sorted(FLOAT_DTYPES))}); "
-                "add a keep rule for it to the recipe")
-        if EMBEDDING.search(info.name):
-            raise UnsupportedError(
-                f"{info.file.name}: tensor '{info.name}' is an embedding table, but recipe "
-                f"'{recipe.name}' converts it and tq runs converted nn.Linear layers only; "
-                "add a keep rule for it")
-        try:
-            spec = rule.apply(quant)
-        except ValidationError as e:
-            _, msg = first_error(e)
-            raise RecipeError(
-                f"recipe '{recipe.name}': rule '{rule.pattern}' (matching '{info.name}') "
-                f"gives invalid settings: {msg}") from e
-        if keep and info.name in keep:
-            tensors.append(TensorPlan(info, "keep", keys=((info.name, info.dtype, info.shape),),
-                                      note=keep[info.name]))
-            continue
-        if bits and info.name in bits:
-            spec = spec.model_copy(update={"bits": bits[info.name]})
-        expert = (experts or {}).get(info.name)
-        if expert is not None and spec.col_scale != "none":
-            # A layer's experts read one routed input, rotated once for all of them
-            # (tq_cli.runtime.experts, the vLLM MoE op): no per-expert column scales.
-            spec = spec.model_copy(update={"col_scale": "none"})
-        rot = rotation
-        if seeds and info.name in seeds:
-            rot = RotationSpec(kind=rotation.kind, block=rotation.block, seed=seeds[info.name])
+            if len(info.shape) != 2:
+                if recipe.skip_non_2d:
+                    tensors.append(TensorPlan(info, "keep",
+                                              keys=((info.name, info.dtype, info.shape),),
+                                              note=_fused_experts(info)))
+                    continue
+                raise UnsupportedError(
+                    f"{info.file.name}: tensor '{info.name}' has shape {list(info.shape)}, but "
+                    f"recipe '{recipe.name}' converts it and only 2-D weights can be; "
+                    "add a keep rule for it")
+            if info.dtype not in FLOAT_DTYPES:
+                raise UnsupportedError(
+                    f"{info.file.name}: tensor '{info.name}' has dtype {info.dtype}, which tq "
+                    f"cannot quantize (only {', '.join(sorted(FLOAT_DTYPES))}); "
+                    "add a keep rule for it to the recipe")
+            if EMBEDDING.search(info.name):
+                raise UnsupportedError(
+                    f"{info.file.name}: tensor '{info.name}' is an embedding table, but recipe "
+                    f"'{recipe.name}' converts it and tq runs converted nn.Linear layers only; "
+                    "add a keep rule for it")
+            try:
+                spec = rule.apply(quant)
+            except ValidationError as e:
+                _, msg = first_error(e)
+                raise RecipeError(
+                    f"recipe '{recipe.name}': rule '{rule.pattern}' (matching '{info.name}') "
+                    f"gives invalid settings: {msg}") from e
+            if keep and info.name in keep:
+                tensors.append(TensorPlan(info, "keep", keys=((info.name, info.dtype, info.shape),),
+                                          note=keep[info.name]))
+                continue
+            if bits and info.name in bits:
+                spec = spec.model_copy(update={"bits": bits[info.name]})
+            expert = (experts or {}).get(info.name)
+            if expert is not None and spec.col_scale != "none":
+                # A layer's experts read one routed input, rotated once for all of them
+                # (tq_cli.runtime.experts, the vLLM MoE op): no per-expert column scales.
+                spec = spec.model_copy(update={"col_scale": "none"})
+            rot = rotation
+            if seeds and info.name in seeds:
+                rot = RotationSpec(kind=rotation.kind, block=rotation.block, seed=seeds[info.name])
         out, n = info.shape
         try:
             block = resolve_block(rot, spec.group_size)
@@ -195,17 +227,19 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
                 rotations[rid] = RotationPlan(rid, rot, n, block, mat, 0)
         keys = tuple((stored_key(info.name, suffix), dt, tuple(shape))
                      for suffix, (dt, shape) in storage_layout(out, n, spec).items())
-        module = (modules or {}).get(info.name)
+        module = head.module if head is not None and is_head else (modules or {}).get(info.name)
         if module == info.name.removesuffix(".weight"):
             module = None
         tensors.append(TensorPlan(info, CONVERTED, spec, rot, block, rid, keys, module,
-                                  expert=expert))
+                                  expert=expert, head=is_head,
+                                  embedding=head.embedding if head is not None and is_head
+                                  else None))
     rotations = {rid: RotationPlan(r.rotation_id, r.spec, r.n, r.block, r.keys, users[rid])
                  for rid, r in rotations.items()}
     # The guard sits under a converted weight's name; not an expert's, whose name a
     # transformers converter would try to merge with the other experts'.
     converted = [t for t in tensors if t.action == CONVERTED]
-    guard = next((t.info.name for t in converted if t.expert is None),
+    guard = next((t.info.name for t in converted if t.expert is None and not t.head),
                  converted[0].info.name if converted else None)
     _check_collisions(source, tensors, rotations)
     plan = Plan(source, recipe, quant, rotation, tensors, rotations, guard=guard)
@@ -213,7 +247,7 @@ def make_plan(source: SourceModel, recipe: Recipe, quant: QuantSpec, rotation: R
     if guard is not None:
         groups.append([(guard, GUARD_DTYPE, GUARD_SHAPE)])
     plan.layout = plan_layout(groups, max_shard_bytes,
-                              metadata={"tq_format_version": str(FORMAT_VERSION)})
+                              metadata={"tq_format_version": str(plan.format_version)})
     return plan
 
 

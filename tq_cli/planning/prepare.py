@@ -19,7 +19,7 @@ from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import Expert
 from tq_cli.io.safetensors_reader import SourceModel, open_source
 from tq_cli.io.source import resolve_source
-from tq_cli.planning.plan import Plan, make_plan
+from tq_cli.planning.plan import HeadPlan, Plan, make_plan
 from tq_cli.planning.recipe import Recipe, builtin_recipes, resolve_recipe
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 
@@ -38,18 +38,21 @@ class PlannedSource:
     modules: dict[str, str] = field(default_factory=dict)  # see make_plan
     keep: dict[str, str] = field(default_factory=dict)  # see make_plan
     experts: dict[str, Expert] = field(default_factory=dict)  # see make_plan
+    head: HeadPlan | None = None  # see make_plan
     notes: list[str] = field(default_factory=list)  # what the user should hear about it
     check_seconds: float = 0.0  # spent asking transformers what it will build
 
     @property
     def converted_names(self) -> list[str]:
-        return [t.info.name for t in self.plan.converted]
+        """The converted tensors a recipe chose (not a head stored quantized: it gets the
+        weight-only fit, tq_cli.quant.head)."""
+        return [t.info.name for t in self.plan.converted if not t.head]
 
     def replan(self, bits: dict[str, int]) -> Plan:
         """The same plan with a bit width per tensor (--target-bits)."""
         return make_plan(self.model, self.recipe, self.plan.quant, self.plan.rotation,
                          self.seeds, self.max_shard_bytes, bits=bits, modules=self.modules,
-                         keep=self.keep, experts=self.experts)
+                         keep=self.keep, experts=self.experts, head=self.head)
 
 
 def plan_source(source: str | os.PathLike[str], recipe: str | None,
@@ -58,13 +61,15 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
                 seeds_file: str | os.PathLike[str] | None = None,
                 max_shard_bytes: int = 2 * 1024**3,
                 model: SourceModel | None = None,
-                check: bool = False, vision: bool = False) -> PlannedSource:
+                check: bool = False, vision: bool = False,
+                head_bits: int | None = None) -> PlannedSource:
     """Resolve SOURCE, its recipe and the plan; refuse a source with nothing to convert.
     `model`: SOURCE already opened (convert checks OUT between opening and planning).
     `check`: against the model transformers will build (what convert writes must load
     back; calibrate and search-seed write no checkpoint and skip its cost). `vision`: of an
     image-text-to-text model, convert the vision tower too (by default only its language
-    model is converted; the projector is always kept)."""
+    model is converted; the projector is always kept). `head_bits`: store lm_head (and the
+    input embedding tied to it) quantized at these bits (tq_cli.quant.head); needs `check`."""
     quant = quant or QuantSpec()
     rotation = rotation or RotationSpec()
     folder = resolve_source(source)
@@ -91,9 +96,12 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
             if not any(rule.matches(name) for name in model.tensors):
                 planned.notes.append(f"recipe '{resolved.name}': rule '{rule.pattern}' "
                                      "matches no tensor of this model; check its pattern")
+    if head_bits is not None and not check:
+        raise ValueError("plan_source: head_bits needs check=True")
     if check:
         t0 = time.perf_counter()
-        _place(planned, builtin=recipe is None or recipe in builtin_recipes(), vision=vision)
+        _place(planned, builtin=recipe is None or recipe in builtin_recipes(), vision=vision,
+               head_bits=head_bits)
         planned.check_seconds = time.perf_counter() - t0
     return planned
 
@@ -117,28 +125,48 @@ POLICY = {"vision": "the vision tower of an image-text model; pass --vision to c
                    "(the projector)"}
 
 
-def _place(planned: PlannedSource, builtin: bool, vision: bool) -> None:
+def _place(planned: PlannedSource, builtin: bool, vision: bool,
+           head_bits: int | None = None) -> None:
     """Check every converted tensor against the model transformers will build (tq_cli.
     runtime.module_map) and plan again with what that says: the module each runs as; the
     tensors tq could not load back or run, kept (a built-in recipe) or refused (the user's
     recipe asked for them by name); and, of a VLM, what is not its language model, kept
-    unless asked for (`vision`)."""
+    unless asked for (`vision`); and, with `head_bits`, where the model's lm_head is."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
+        if head_bits is not None:
+            raise UnsupportedError("--head-bits: finding the model's lm_head needs "
+                                   "transformers: pip install 'tq[models]'")
         planned.notes.append("transformers is not installed, so tq could not check that each "
                              "converted tensor loads back as an nn.Linear; pip install "
                              "'tq[models]' for the check")
         return
-    from tq_cli.runtime.module_map import place_in_folder, unchecked_because
+    from tq_cli.runtime.module_map import (
+        build_in_folder,
+        head_placement,
+        place,
+        unchecked_because,
+    )
 
     model, plan = planned.model, planned.plan
     assert model.config is not None  # make_plan refuses a folder without one
     skipped = unchecked_because(model.config)
     if skipped:
+        if head_bits is not None:
+            raise UnsupportedError(f"{planned.folder}: --head-bits: tq cannot find the model's "
+                                   f"lm_head ({skipped}); pass --head-bits none")
         planned.notes.append(f"not checked that each converted tensor loads back: {skipped}")
         return
-    placed = place_in_folder(planned.folder, model.config, planned.converted_names)
+    skeleton = build_in_folder(planned.folder, model.config)
+    placed = place(skeleton, planned.converted_names)
+    if head_bits is not None:
+        where = head_placement(skeleton, list(model.tensors))
+        if isinstance(where, str):
+            raise UnsupportedError(f"{planned.folder}: --head-bits {head_bits}: {where}; "
+                                   "pass --head-bits none")
+        planned.head = HeadPlan(where.source, where.module, where.embedding, head_bits)
+        placed.pop(where.source, None)  # the head's own rules, whatever the recipe says
     # A VLM's vision tower and projector first: kept by policy, whatever else they are.
     planned.keep = {n: POLICY[p.part] for n, p in placed.items()
                     if p.part in POLICY and not (vision and p.part == "vision")}
@@ -157,11 +185,11 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool) -> None:
     planned.experts = {n: p.expert for n, p in placed.items()
                        if p.expert is not None and n not in planned.keep}
     _say_kept(planned, planned.keep)
-    if planned.keep or planned.modules or planned.experts:
+    if planned.keep or planned.modules or planned.experts or planned.head:
         planned.plan = make_plan(model, planned.recipe, plan.quant, plan.rotation,
                                  planned.seeds, planned.max_shard_bytes,
                                  modules=planned.modules, keep=planned.keep,
-                                 experts=planned.experts)
+                                 experts=planned.experts, head=planned.head)
         if not planned.plan.converted:
             raise UnsupportedError(
                 f"{planned.folder}: none of the tensors recipe '{planned.recipe.name}' "

@@ -9,13 +9,14 @@ as every converted layer. Where the input embedding is tied to the head, it beco
 dequantizes only the rows it is asked for and rotates them back. The head is fitted
 without exact outliers, so a row is its codes and scales alone.
 
-This is a load-time option (`tq_cli.load(..., head_bits=8)`): the checkpoint keeps the
-head as `tq convert` stored it.
+`quantize_head` is the load-time option (`tq_cli.load(..., head_bits=8)`) for a
+checkpoint that keeps its head in full precision; `tq convert --head-bits` stores the head
+quantized the same way (tq_cli.quant.head), and the loader then builds the TQEmbedding
+over the stored buffers (tq_cli.runtime.hf_quantizer).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,24 +24,30 @@ from torch import nn
 
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import SUFFIXES
-from tq_cli.quant.grouped import QuantizedTensor, quantize
-from tq_cli.quant.spec import QuantSpec, RotationSpec
+from tq_cli.quant.grouped import quantize
+from tq_cli.quant.head import HEAD_BITS, HEAD_GROUP, finish_head, head_rotation, head_spec
 from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
 from tq_kernels.reference import dequantize_codes
 from tq_kernels.rotation import hadamard_unrotate
 
-HEAD_BITS = (4, 8)
-GROUP = 128
-
 
 class TQEmbedding(nn.Module):
-    """An input embedding whose table is a TQLinear's packed weight (a tied lm_head)."""
+    """An input embedding whose table is a tied lm_head's packed weight (a TQLinear).
 
-    def __init__(self, head: TQLinear, dtype: torch.dtype) -> None:
+    owner: the embedding holds the packed buffers, as its child `weight`, and the head
+    reads them (a checkpoint that stores the tied head: its keys are the embedding's,
+    `model.embed_tokens.weight.codes`, ...); otherwise the head holds them (a head
+    quantized as it loads). Either way there is one copy."""
+
+    def __init__(self, head: TQLinear, dtype: torch.dtype, owner: bool = False) -> None:
         super().__init__()
-        self.__dict__["head"] = head  # not a child: the head owns the buffers
+        self.__dict__["head"] = head  # not a child: the head is the model's lm_head
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.dtype = dtype
+        if owner:
+            packed = head._modules.pop("weight")
+            head.__dict__["weight"] = packed  # still `head.weight`, no longer its child
+            self.weight = packed
 
     @property
     def head(self) -> TQLinear:
@@ -55,16 +62,6 @@ class TQEmbedding(nn.Module):
         if rot is not None:
             x = hadamard_unrotate(x, rot.signs, rot.block)
         return x.to(self.dtype).reshape(*ids.shape, -1)
-
-
-def integer_levels(q: QuantizedTensor) -> QuantizedTensor:
-    """An 8-bit uniform fit with its levels rescaled to k - 127.5 (the scales divided to
-    match): an exact affine grid, which the CPU kernel decodes with a convert and an fma
-    instead of a gather from the codebook (tq_kernels csrc/common.h, affine_levels)."""
-    half = (q.codebook.numel() - 1) / 2
-    levels = torch.arange(q.codebook.numel(), dtype=torch.float32) - half
-    scales = (q.scales.float() * (float(q.codebook[-1]) / half)).half()
-    return replace(q, codebook=levels.to(q.codebook.device), scales=scales)
 
 
 def quantize_head(model: Any, bits: int) -> dict[str, Any]:
@@ -84,14 +81,9 @@ def quantize_head(model: Any, bits: int) -> dict[str, Any]:
     # the embedding keeps its own (formerly shared) weight.
     tied = (type(emb) is nn.Embedding and emb.max_norm is None
             and emb.weight.data_ptr() == w.data_ptr())
-    # no outliers: a lookup then reads only its rows' codes and scales
-    spec = QuantSpec(bits=bits, group_size=GROUP, outliers=0.0,
-                     codebook="uniform" if bits == 8 else "lloyd-max")
-    q = quantize(w.float(), spec, RotationSpec(kind="hadamard"), device=w.device)
-    if bits == 8:
-        q = integer_levels(q)
+    q = finish_head(quantize(w.float(), head_spec(bits), head_rotation(), device=w.device))
     dev = w.device
-    layer = TQLinear(w.shape[1], w.shape[0], bits=bits, group_size=GROUP, specs={})
+    layer = TQLinear(w.shape[1], w.shape[0], bits=bits, group_size=HEAD_GROUP, specs={})
     for suffix in SUFFIXES:
         layer.weight.register_buffer(suffix, getattr(q, suffix).to(dev))
     if head.bias is not None:

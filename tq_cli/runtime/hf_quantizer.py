@@ -87,7 +87,10 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
         old = modules[name]
         bias = (headers.get(e.name.removesuffix(".weight") + ".bias")
                 if old.bias is not None else None)
-        model.set_submodule(name, _layer(e, headers, bias))
+        layer = _layer(e, headers, bias)
+        model.set_submodule(name, layer)
+        if e.embedding is not None:
+            _tied_embedding(model, folder, modules, prefix, e, name, layer)
     for of, layers in experts.items():
         _place_experts(model, folder, modules, of, layers)
     rotations = {}
@@ -106,6 +109,33 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
         object.__setattr__(model, "_keys_to_ignore_on_load_unexpected",
                            ignored | {rf"(^|\.){re.escape(n)}$" for n in names})
     return model
+
+
+def _tied_embedding(model: nn.Module, folder: Path, modules: dict[str, nn.Module],
+                    prefix: str, e: ConvertedEntry, head_name: str, layer: TQLinear) -> None:
+    """A head stored once for lm_head and the input embedding tied to it (format 3): the
+    embedding becomes a TQEmbedding that holds the packed buffers under the stored keys,
+    and transformers is told the two are no longer tied parameters it should tie."""
+    from tq_cli.runtime.head import TQEmbedding
+
+    ck = e.embedding or ""
+    name = next((n for n in (ck, f"{prefix}.{ck}", ck.removeprefix(prefix + "."))
+                 if n in modules), None)
+    old = modules.get(name) if name is not None else None
+    if type(old) is not nn.Embedding:
+        found = type(old).__name__ if old is not None else "no module"
+        raise UnsupportedError(
+            f"{folder}: converted tensor '{e.name}' is read by the input embedding "
+            f"'{ck}', but {type(model).__name__} has {found} there, not an nn.Embedding; "
+            "convert this model with --head-bits none")
+    assert name is not None
+    model.set_submodule(name, TQEmbedding(layer, old.weight.dtype, owner=True))
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        mine = (f"{head_name}.", f"{name}.")
+        object.__setattr__(model, "all_tied_weights_keys", {
+            k: v for k, v in tied.items()
+            if not (k.startswith(mine) or v.startswith(mine))})
 
 
 def _layer(e: ConvertedEntry, headers: Specs,

@@ -261,8 +261,57 @@ def unknown_model(config: dict) -> str | None:
     return None
 
 
-def place_in_folder(folder: Path, config: dict, names: list[str]) -> dict[str, Placement]:
-    """`place` for a model folder: its skeleton is built from config.json on meta."""
+@dataclass(frozen=True)
+class HeadPlacement:
+    """The model's lm_head: the checkpoint tensor it loads from, its module path, and the
+    input embedding tied to it (None: untied)."""
+
+    source: str
+    module: str
+    embedding: str | None
+
+
+def head_placement(model: nn.Module, names: list[str]) -> HeadPlacement | str:
+    """Where `model`'s lm_head comes from among the checkpoint's tensors `names`, or why tq
+    cannot store it quantized (tq_cli.quant.head)."""
+    from transformers.core_model_loading import rename_source_key
+
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    kind = type(model).__name__
+    if not isinstance(head, nn.Linear):
+        return f"{kind} has no linear lm_head"
+    modules = dict(model.named_modules())
+    path = next(n for n, m in modules.items() if m is head)
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    emb_path = next((n for n, m in modules.items() if m is emb), None)
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    tied |= {v: k for k, v in tied.items()}
+    renamings, converters = _conversions(model)
+    params = dict(model.state_dict(keep_vars=True))
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    by_key = {rename_source_key(n, renamings, converters, prefix, params)[0]: n for n in names}
+    head_key = f"{path}.weight"
+    other = tied.get(head_key)
+    if other is None:
+        source = by_key.get(head_key)
+        return (HeadPlacement(source, path, None) if source is not None
+                else f"the checkpoint has no tensor for {kind}'s '{head_key}'")
+    if emb_path is None or other != f"{emb_path}.weight":
+        return f"{kind}'s lm_head is tied to '{other}', which is not its input embedding"
+    if type(emb) is not nn.Embedding or getattr(emb, "max_norm", None) is not None:
+        # Gemma's embedding multiplies lookups by sqrt(hidden), others renormalise them
+        return (f"{kind}'s lm_head is tied to its input embedding, a {type(emb).__name__}, "
+                "which tq runs quantized only as a plain nn.Embedding")
+    source = by_key.get(head_key) or by_key.get(other)
+    if source is None:
+        return f"the checkpoint has no tensor for {kind}'s '{head_key}'"
+    return HeadPlacement(source, path, emb_path)
+
+
+def build_in_folder(folder: Path, config: dict) -> nn.Module:
+    """The model config.json describes in `folder`, built on meta, for `place`."""
     from tq_cli.runtime.hf_models import build_skeleton
 
     try:
@@ -278,4 +327,5 @@ def place_in_folder(folder: Path, config: dict, names: list[str]) -> dict[str, P
                           f"describes ({type(e).__name__}: {first}), so a checkpoint of it "
                           "could not be loaded; fix config.json or convert the original "
                           "folder") from None
-    return place(model, names)
+    return model
+

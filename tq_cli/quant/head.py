@@ -1,0 +1,52 @@
+"""How tq quantizes a model's lm_head (and the input embedding tied to it).
+
+One definition for `tq convert --head-bits` and the load-time option
+(`tq_cli.load(..., head_bits=)`): groups of 128 under a Hadamard rotation, no exact
+outliers (a lookup of one embedding row then reads only that row's codes and scales), no
+column scales (the embedding's rows come out in the original basis after one inverse
+rotation), and the weight-only fit. 8 bits use the uniform codebook on an integer grid
+(`integer_levels`), which the CPU kernel decodes with a convert and an fma instead of a
+gather from the codebook; 4 bits use the Lloyd-Max codebook, as converted layers do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tq_cli.quant.grouped import QuantizedTensor
+from tq_cli.quant.spec import QuantSpec, RotationSpec
+
+HEAD_BITS = (4, 8)
+HEAD_GROUP = 128
+
+
+def head_spec(bits: int) -> QuantSpec:
+    """The quantization of a head at `bits` (8 or 4)."""
+    return QuantSpec(bits=bits, group_size=HEAD_GROUP, outliers=0.0,
+                     codebook="uniform" if bits == 8 else "lloyd-max")
+
+
+def head_rotation(seed: int = 0) -> RotationSpec:
+    """A head's rotation: Hadamard (an embedding lookup undoes it row by row)."""
+    return RotationSpec(kind="hadamard", seed=seed)
+
+
+def integer_levels(q: QuantizedTensor) -> QuantizedTensor:
+    """An 8-bit uniform fit with its levels rescaled to k - 127.5 (the scales divided to
+    match): an exact affine grid, which the CPU kernel decodes with a convert and an fma
+    instead of a gather from the codebook (tq_kernels csrc/common.h, affine_levels)."""
+    half = (q.codebook.numel() - 1) / 2
+    levels = torch.arange(q.codebook.numel(), dtype=torch.float32) - half
+    scales = (q.scales.float() * (float(q.codebook[-1]) / half)).half()
+    return replace(q, codebook=levels.to(q.codebook.device), scales=scales)
+
+
+def finish_head(q: QuantizedTensor) -> QuantizedTensor:
+    """A head's fit as stored: 8 bits on the integer grid, 4 bits as fitted."""
+    return integer_levels(q) if q.spec.bits == 8 else q
+
+
+__all__ = ["HEAD_BITS", "HEAD_GROUP", "finish_head", "head_rotation", "head_spec",
+           "integer_levels"]
