@@ -32,6 +32,7 @@ from tq_cli.io.format import (
     storage_layout,
     stored_key,
     stored_tensors,
+    version_for,
 )
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import DTYPES, INDEX_NAME, read_header
@@ -66,12 +67,16 @@ def _manifest(folder: Path) -> dict:
 
 
 def test_the_constants_are_what_the_writer_wrote(converted: Path) -> None:
+    # A folder without a quantized tied head is written in version 2, which older
+    # readers read; version 3 only where a converted head is also the input embedding.
+    version = version_for(tied_head=False)
+    assert version == 2 < FORMAT_VERSION == version_for(tied_head=True) == 3
     qc = json.loads((converted / "config.json").read_text())["quantization_config"]
-    assert (qc["quant_method"], qc["format_version"]) == (QUANT_METHOD, FORMAT_VERSION)
-    assert _manifest(converted)["format_version"] == FORMAT_VERSION
+    assert (qc["quant_method"], qc["format_version"]) == (QUANT_METHOD, version)
+    assert _manifest(converted)["format_version"] == version
     for shard in converted.glob("*.safetensors"):
         with safe_open(str(shard), framework="pt") as f:
-            assert f.metadata()["tq_format_version"] == str(FORMAT_VERSION)
+            assert f.metadata()["tq_format_version"] == str(version)
 
 
 def test_suffixes_are_the_stored_fields_of_a_quantized_tensor() -> None:

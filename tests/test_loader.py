@@ -125,10 +125,10 @@ def test_not_a_checkpoint(tiny_llama: Path) -> None:
 def test_newer_format_is_refused(llama_tq: Path, tmp_path: Path) -> None:
     d = _copy(llama_tq, tmp_path)
     man = json.loads((d / "tq_manifest.json").read_text())
-    man["format_version"] = 3
+    man["format_version"] = 4
     (d / "tq_manifest.json").write_text(json.dumps(man))
-    with pytest.raises(TqError, match="format version 3 is newer than this tq reads "
-                                      r"\(2\); upgrade tq"):
+    with pytest.raises(TqError, match="format version 4 is newer than this tq reads "
+                                      r"\(3\); upgrade tq"):
         tq_cli.load(d)
 
 
