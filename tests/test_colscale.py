@@ -137,14 +137,17 @@ def test_a_conversion_stores_column_scales_by_default_and_runs_them(
     man = json.loads((scaled / "tq_manifest.json").read_text())
     assert man["format_version"] == 2 and FORMAT_VERSION == 3  # no tied head: version 2
     conv = [e for e in man["tensors"] if e["action"] == "quantize"]
-    assert conv and all(e["spec"]["col_scale"] == "sinkhorn" for e in conv)
+    # every converted weight but the head (tq_cli.quant.head: no column scales)
+    assert [e["name"] for e in conv if e["spec"]["col_scale"] != "sinkhorn"] == [
+        "lm_head.weight"]
+    conv = [e for e in conv if e["name"] != "lm_head.weight"]
     key = conv[0]["name"] + ".col_scale"
     assert key in conv[0]["keys"]
     with safe_open(str(scaled / conv[0]["shards"][0]), "pt") as f:
         t = f.get_tensor(key)
     assert t.dtype == torch.float16 and t.shape == (conv[0]["shape"][1],)
     model = tq_cli.load(scaled)
-    layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    layers = [m for m in model.modules() if isinstance(m, TQLinear) and m is not model.lm_head]
     assert layers and all(m.col_scale is not None for m in layers)
     twin = tq_cli.load(scaled)
     twin.dequantize()
@@ -205,7 +208,8 @@ def test_experts_get_no_column_scales(tmp_path: Path) -> None:
     conv = [e for e in man["tensors"] if e["action"] == "quantize"]
     experts = [e for e in conv if "expert" in e]
     assert experts and all(e["spec"]["col_scale"] == "none" for e in experts)
-    assert all(e["spec"]["col_scale"] == "sinkhorn" for e in conv if "expert" not in e)
+    assert all(e["spec"]["col_scale"] == "sinkhorn" for e in conv
+               if "expert" not in e and e["name"] != "lm_head.weight")
     tq_cli.load(out)  # runs
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)

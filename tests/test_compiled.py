@@ -162,10 +162,14 @@ def test_default_follows_tq_compile(monkeypatch: pytest.MonkeyPatch) -> None:
         assert compiled.default_on() is on
 
 
-def test_head_quantized_as_it_loads(llama_tq: Path) -> None:
+def test_head_quantized_as_it_loads(tiny_llama: Path, tmp_path: Path) -> None:
     """lm_head 8-bit: the tied embedding reads the same packed weight; logits within the
     head's own quantization error; the compiled step gives the eager tokens."""
     from tq_cli.runtime.head import TQEmbedding
+
+    llama_tq = tmp_path / "kept-head"  # a checkpoint that keeps its head as the source has it
+    convert(tiny_llama, llama_tq, ConvertSpec(quant=QuantSpec(bits=4, group_size=64),
+                                              fast=True, head_bits=None))
 
     plain = tq_cli.load(llama_tq, device="cpu", compile=False)
     model = tq_cli.load(llama_tq, device="cpu", compile=False, head_bits=8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -39,9 +40,10 @@ def test_layout_and_files(converted: Path, tiny_llama: Path) -> None:
     assert not any(n.startswith(".tq") for n in names)
     cfg = json.loads((converted / "config.json").read_text())
     qc = cfg["quantization_config"]
+    # the untied head is stored at 8 bits by default, an ordinary converted layer (version 2)
     assert qc["quant_method"] == "turboquant" and qc["format_version"] == 2
     assert qc["bits"] == 4 and qc["group_size"] == 64 and qc["rotation"] == "hadamard"
-    assert "lm_head" in qc["modules_to_not_convert"]
+    assert qc["head_bits"] == 8 and "lm_head" not in qc["modules_to_not_convert"]
     assert "model.embed_tokens" in qc["modules_to_not_convert"]
     assert cfg["hidden_size"] == 96
 
@@ -57,8 +59,8 @@ def test_kept_tensors_are_bit_identical(converted: Path, tiny_llama: Path) -> No
     src = open_source(tiny_llama)
     ck = Checkpoint(converted)
     kept = [e for e in ck.manifest["tensors"] if e["action"] == "keep"]
-    assert {e["name"] for e in kept} >= {"model.embed_tokens.weight", "lm_head.weight",
-                                         "model.norm.weight"}
+    assert {e["name"] for e in kept} >= {"model.embed_tokens.weight", "model.norm.weight"}
+    assert "lm_head.weight" not in {e["name"] for e in kept}
     for e in kept:
         a = read_tensor(src.tensors[e["name"]])
         b = ck.tensor(e["name"])
@@ -69,13 +71,15 @@ def test_converted_tensors_dequantize_within_error(converted: Path, tiny_llama: 
     src = open_source(tiny_llama)
     ck = Checkpoint(converted)
     conv = [e for e in ck.manifest["tensors"] if e["action"] == "quantize"]
-    assert len(conv) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    assert len(conv) == 15  # 2 layers x (q, k, v, o, gate, up, down), and lm_head
+    assert [e["spec"]["bits"] for e in conv if e["name"] == "lm_head.weight"] == [8]
     for e in conv:
         w = read_tensor(src.tensors[e["name"]]).float()
         w_hat = dequantize(ck.quantized(e["name"]))
         rel = float((w - w_hat).pow(2).sum() / w.pow(2).sum())
         assert rel == pytest.approx(e["rel_error"], rel=1e-3, abs=1e-6)
-        assert rel < 0.012  # 4-bit on Gaussian-like weights: Lloyd-Max optimum is 0.0095
+        # 4-bit on Gaussian-like weights: Lloyd-Max optimum is 0.0095; 8-bit uniform ~4e-5
+        assert rel < (0.012 if e["spec"]["bits"] == 4 else 1e-4)
 
 
 def test_checksums_and_bits_accounting(converted: Path) -> None:
@@ -98,8 +102,16 @@ def test_checksums_and_bits_accounting(converted: Path) -> None:
     assert man["summary"]["bits_per_weight"] == pytest.approx(total_bits / params, rel=1e-6)
     # 4-bit codes + fp16 scale per 64 + codebook + 0.1% outliers (6 bytes each) + signs,
     # + an fp16 column scale per input column (16 / out bits: 0.125-0.25 on these rows)
-    col = sum(16 * e["shape"][1] for e in man["tensors"] if e["action"] == "quantize")
-    assert 4.25 < man["summary"]["bits_per_weight"] - col / params < 4.45
+    body = [e for e in man["tensors"] if e["action"] == "quantize" and e["spec"]["bits"] == 4]
+    col = sum(16 * e["shape"][1] for e in body)
+    body_bits = sum((e["bytes"] + e["rotation_bytes_share"]) * 8 for e in body)
+    body_params = sum(e["shape"][0] * e["shape"][1] for e in body)
+    assert 4.25 < (body_bits - col) / body_params < 4.45
+    # the whole model: every stored tensor's bytes over every source weight
+    index = json.loads((converted / "model.safetensors.index.json").read_text())
+    every = sum(math.prod(e["shape"]) for e in man["tensors"])
+    assert man["summary"]["model_bits_per_weight"] == pytest.approx(
+        8 * index["metadata"]["total_size"] / every, rel=1e-6)
 
 
 def test_damaged_shard_is_named(converted: Path, tmp_path: Path) -> None:
@@ -165,7 +177,7 @@ def _kill_after(tiny_llama: Path, out: Path, lines: int) -> Path:
 def test_kill_mid_way_then_resume(tiny_llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["convert", str(tiny_llama), "-o", str(out), "--group-size", "64", "--json"]
-    _kill_after(tiny_llama, out, 7)  # rotations and the guard, then tensors
+    _kill_after(tiny_llama, out, 8)  # rotations and the guard, then tensors
     assert not out.exists(), "an interrupted conversion must not look complete"
     assert partial_path(out).exists()
 
@@ -201,7 +213,7 @@ def test_resume_redoes_damaged_tensors(tiny_llama: Path, tmp_path: Path) -> None
     convert(tiny_llama, tmp_path / "ref", spec)
     # Build a partial by hand: run, then restore the hidden folder state.
 
-    journal = _kill_after(tiny_llama, out, 5)
+    journal = _kill_after(tiny_llama, out, 6)
     # Damage one finished tensor's bytes: resume must notice and redo it.
     entries = [json.loads(line) for line in journal.read_text().splitlines()]
     finished = [e for e in entries if not e["tensor"].startswith("tq.")]  # rotation, guard
@@ -231,7 +243,7 @@ def test_resume_survives_a_cut_journal_line(tiny_llama: Path, tmp_path: Path) ->
     out = tmp_path / "out"
     spec = ConvertSpec(quant=QuantSpec(group_size=64))
     convert(tiny_llama, tmp_path / "ref", spec)
-    journal = _kill_after(tiny_llama, out, 5)
+    journal = _kill_after(tiny_llama, out, 6)
     with open(journal, "a") as f:
         f.write('{"tensor": "model.layers.1.ml')  # a line cut by the kill
     first = convert(tiny_llama, out, spec.model_copy(update={"resume": True}))

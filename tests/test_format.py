@@ -46,9 +46,11 @@ from tq_cli.quant.spec import QuantSpec, RotationSpec
 def converted(request: pytest.FixtureRequest, tiny_llama: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("format") / f"tq-{request.param}"
+    # the body's format under each rotation; a head stored quantized (its own spec, always
+    # Hadamard) is tests/test_stored_head.py's
     convert(tiny_llama, out, ConvertSpec(quant=QuantSpec(bits=3, group_size=64),
                                          rotation=RotationSpec(kind=request.param),
-                                         max_shard_bytes=60_000))
+                                         max_shard_bytes=60_000, head_bits=None))
     return out
 
 

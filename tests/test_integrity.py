@@ -75,14 +75,14 @@ def test_index_pointing_at_an_extra_shard_is_refused(converted: Path, tmp_path: 
     from safetensors.torch import save_file
 
     d = _copy(converted, tmp_path)
-    save_file({"lm_head.weight": torch.zeros(320, 96)}, d / "extra.safetensors")
+    save_file({"model.norm.weight": torch.zeros(96)}, d / "extra.safetensors")
     index = _json(d / INDEX)
-    index["weight_map"]["lm_head.weight"] = "extra.safetensors"
+    index["weight_map"]["model.norm.weight"] = "extra.safetensors"
     (d / INDEX).write_text(json.dumps(index))
     with pytest.raises(TqError) as e:
         tq_cli.load(d, device="cpu")
-    assert str(e.value) == (f"{d / INDEX}: maps 'lm_head.weight' to 'extra.safetensors', a "
-                            f"shard the manifest does not list; {HOW}")
+    assert str(e.value) == (f"{d / INDEX}: maps 'model.norm.weight' to 'extra.safetensors', "
+                            f"a shard the manifest does not list; {HOW}")
 
 
 def test_edited_manifest_fails_its_digest(converted: Path, tmp_path: Path) -> None:

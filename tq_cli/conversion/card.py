@@ -9,6 +9,7 @@ def render_card(manifest: dict) -> str:
     s = manifest["summary"]
     q, r = manifest["quant"], manifest["rotation"]
     src = manifest["source"]
+    head = f"{s['head_bits']}-bit" if s.get("head_bits") else "as in the source"
     lines = [
         "---",
         "tags: [turboquant, tq, quantized]",
@@ -31,6 +32,9 @@ def render_card(manifest: dict) -> str:
         "|---|---|",
         f"| tensors converted / kept | {s['tensors_converted']} / {s['tensors_kept']} |",
         f"| bits per weight (converted tensors) | {s['bits_per_weight']:.4f} |",
+        *([f"| bits per weight (whole model) | {s['model_bits_per_weight']:.4f} |"]
+          if "model_bits_per_weight" in s else []),
+        f"| lm_head | {head} |",
         f"| mean relative reconstruction error | {s['mean_rel_error']:.6f} |",
         f"| checkpoint size | {s['output_bytes'] / 1e6:.1f} MB "
         f"(source {s['source_bytes'] / 1e6:.1f} MB) |",

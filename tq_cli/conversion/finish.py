@@ -78,6 +78,7 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
             entry["source_sha256"] = rec["source_sha256"]
         tensors.append(entry)
     output_bytes = sum(plan.layout.shard_size(s) for s in plan.layout.shards)
+    head_bits = next((t.quant.bits for t in plan.converted if t.head and t.quant), None)
     result = ConvertResult(
         out=out, tensors_converted=len(plan.converted),
         tensors_kept=len(plan.tensors) - len(plan.converted),
@@ -88,7 +89,10 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
         resumed_tensors=resumed, device=str(device), warnings=warnings,
         calibrated_tensors=sum(1 for t in tensors if t.get("calibrated"))
         if "calibration" in provenance else None,
-        mixed=provenance.get("mixed_precision"))
+        mixed=provenance.get("mixed_precision"),
+        model_bits_per_weight=8 * sum(s.nbytes for s in plan.layout.slots.values())
+        / max(1, sum(t.info.numel for t in plan.tensors)),
+        head_bits=head_bits)
     files = copy_other_files(plan.source.folder, partial)
     kept_modules = sorted({t.info.name.rsplit(".", 1)[0] for t in plan.tensors
                            if t.action == "keep" and t.info.name.endswith(".weight")})
@@ -96,8 +100,7 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
     config = dict(plan.source.config or {})
     config["quantization_config"] = quantization_config(
         spec.quant.model_dump(), spec.rotation.model_dump(), spec.rotation.block, kept_modules,
-        plan.format_version, next((t.quant.bits for t in plan.converted
-                                   if t.head and t.quant is not None), None))
+        plan.format_version, head_bits)
     manifest: dict = {
         "format_version": plan.format_version,
         "tq_version": __version__,

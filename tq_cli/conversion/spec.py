@@ -16,6 +16,8 @@ from tq_cli.quant.spec import QuantSpec, RotationSpec, convert_default_col_scale
 # curve is steeper (SmolLM2 3-bit KL 0.517 with 4096, 0.467 with 8192).
 SELF_CALIB_TOKENS = 4096
 SELF_CALIB_TOKENS_LOW_BITS = 8192
+# lm_head's bits where nobody chose (docs/decisions.md: from `tq eval` on SmolLM2).
+DEFAULT_HEAD_BITS: Literal[4, 8] | None = 8
 
 
 class ConvertSpec(BaseModel):
@@ -52,8 +54,15 @@ class ConvertSpec(BaseModel):
                                       "average bits per weight to reach")
     bit_choices: tuple[int, ...] = (2, 3, 4)
     head_bits: Literal[4, 8] | None = Field(
-        None, description="store lm_head (and the input embedding tied to it) quantized at "
-        "these bits (tq_cli.quant.head); None keeps it as the source has it")
+        DEFAULT_HEAD_BITS, description="store lm_head (and the input embedding tied to it) "
+        "quantized at these bits (tq_cli.quant.head); None keeps it as the source has it. "
+        "Left at its default, a model whose head tq cannot store keeps it; asked for, such a "
+        "model is refused")
+
+    @property
+    def head_required(self) -> bool:
+        """head_bits was asked for: a model whose head tq cannot store is refused."""
+        return "head_bits" in self.model_fields_set and self.head_bits is not None
 
     @model_validator(mode="before")
     @classmethod
@@ -117,6 +126,10 @@ class ConvertResult:
     # Of `seconds`, the check against the model transformers builds (a fixed cost per
     # architecture, not per byte: tq_cli.planning.prepare).
     check_seconds: float = 0.0
+    # Every stored tensor's bytes x 8 over every source weight: the whole model, kept
+    # tensors (embeddings, norms, a head in full precision) included.
+    model_bits_per_weight: float = 0.0
+    head_bits: int | None = None  # lm_head stored quantized at these bits, else None
 
     def summary(self) -> dict:
         extra: dict = {}
@@ -129,6 +142,8 @@ class ConvertResult:
             "tensors_converted": self.tensors_converted,
             "tensors_kept": self.tensors_kept,
             "bits_per_weight": round(self.bits_per_weight, 6),
+            "model_bits_per_weight": round(self.model_bits_per_weight, 6),
+            "head_bits": self.head_bits,
             "mean_rel_error": self.mean_rel_error,
             "max_rel_error": self.max_rel_error,
             "seconds": round(self.seconds, 3),

@@ -62,14 +62,15 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
                 max_shard_bytes: int = 2 * 1024**3,
                 model: SourceModel | None = None,
                 check: bool = False, vision: bool = False,
-                head_bits: int | None = None) -> PlannedSource:
+                head_bits: int | None = None, head_required: bool = True) -> PlannedSource:
     """Resolve SOURCE, its recipe and the plan; refuse a source with nothing to convert.
     `model`: SOURCE already opened (convert checks OUT between opening and planning).
     `check`: against the model transformers will build (what convert writes must load
     back; calibrate and search-seed write no checkpoint and skip its cost). `vision`: of an
     image-text-to-text model, convert the vision tower too (by default only its language
     model is converted; the projector is always kept). `head_bits`: store lm_head (and the
-    input embedding tied to it) quantized at these bits (tq_cli.quant.head); needs `check`."""
+    input embedding tied to it) quantized at these bits (tq_cli.quant.head); needs `check`;
+    a model whose head tq cannot store is refused when `head_required`, else keeps it."""
     quant = quant or QuantSpec()
     rotation = rotation or RotationSpec()
     folder = resolve_source(source)
@@ -101,7 +102,7 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
     if check:
         t0 = time.perf_counter()
         _place(planned, builtin=recipe is None or recipe in builtin_recipes(), vision=vision,
-               head_bits=head_bits)
+               head_bits=head_bits, head_required=head_required)
         planned.check_seconds = time.perf_counter() - t0
     return planned
 
@@ -126,7 +127,7 @@ POLICY = {"vision": "the vision tower of an image-text model; pass --vision to c
 
 
 def _place(planned: PlannedSource, builtin: bool, vision: bool,
-           head_bits: int | None = None) -> None:
+           head_bits: int | None = None, head_required: bool = True) -> None:
     """Check every converted tensor against the model transformers will build (tq_cli.
     runtime.module_map) and plan again with what that says: the module each runs as; the
     tensors tq could not load back or run, kept (a built-in recipe) or refused (the user's
@@ -135,7 +136,7 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool,
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
-        if head_bits is not None:
+        if head_bits is not None and head_required:
             raise UnsupportedError("--head-bits: finding the model's lm_head needs "
                                    "transformers: pip install 'tq[models]'")
         planned.notes.append("transformers is not installed, so tq could not check that each "
@@ -143,6 +144,7 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool,
                              "'tq[models]' for the check")
         return
     from tq_cli.runtime.module_map import (
+        NO_HEAD,
         build_in_folder,
         head_placement,
         place,
@@ -153,18 +155,21 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool,
     assert model.config is not None  # make_plan refuses a folder without one
     skipped = unchecked_because(model.config)
     if skipped:
-        if head_bits is not None:
+        if head_bits is not None and head_required:
             raise UnsupportedError(f"{planned.folder}: --head-bits: tq cannot find the model's "
                                    f"lm_head ({skipped}); pass --head-bits none")
         planned.notes.append(f"not checked that each converted tensor loads back: {skipped}")
         return
     skeleton = build_in_folder(planned.folder, model.config)
     placed = place(skeleton, planned.converted_names)
-    if head_bits is not None:
-        where = head_placement(skeleton, list(model.tensors))
-        if isinstance(where, str):
+    where = head_placement(skeleton, list(model.tensors)) if head_bits is not None else None
+    if isinstance(where, str):
+        if head_required:
             raise UnsupportedError(f"{planned.folder}: --head-bits {head_bits}: {where}; "
                                    "pass --head-bits none")
+        if not where.endswith(NO_HEAD):  # a model with no head says nothing
+            planned.notes.append(f"lm_head not quantized (--head-bits): {where}")
+    elif where is not None and head_bits is not None:
         planned.head = HeadPlan(where.source, where.module, where.embedding, head_bits)
         placed.pop(where.source, None)  # the head's own rules, whatever the recipe says
     # A VLM's vision tower and projector first: kept by policy, whatever else they are.
@@ -190,7 +195,7 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool,
                                  planned.seeds, planned.max_shard_bytes,
                                  modules=planned.modules, keep=planned.keep,
                                  experts=planned.experts, head=planned.head)
-        if not planned.plan.converted:
+        if not any(not t.head for t in planned.plan.converted):  # a head alone is not it
             raise UnsupportedError(
                 f"{planned.folder}: none of the tensors recipe '{planned.recipe.name}' "
                 f"converts can run quantized ({next(iter(planned.keep.values()))}); tq runs "

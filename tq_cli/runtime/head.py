@@ -71,6 +71,9 @@ def quantize_head(model: Any, bits: int) -> dict[str, Any]:
         raise UnsupportedError(f"head_bits must be one of {', '.join(map(str, HEAD_BITS))}, "
                                f"got {bits}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, TQLinear):
+        raise UnsupportedError(f"head_bits: the checkpoint stores lm_head quantized already "
+                               f"({head.bits} bits); load it with head_bits=None")
     if not isinstance(head, nn.Linear) or head.weight.device.type == "meta":
         raise UnsupportedError(f"head_bits: {type(model).__name__} has no linear lm_head "
                                "to quantize")

@@ -261,6 +261,9 @@ def unknown_model(config: dict) -> str | None:
     return None
 
 
+NO_HEAD = " has no linear lm_head"  # what head_placement says of an encoder, CLIP, ...
+
+
 @dataclass(frozen=True)
 class HeadPlacement:
     """The model's lm_head: the checkpoint tensor it loads from, its module path, and the
@@ -280,7 +283,7 @@ def head_placement(model: nn.Module, names: list[str]) -> HeadPlacement | str:
     head = get_head() if callable(get_head) else None
     kind = type(model).__name__
     if not isinstance(head, nn.Linear):
-        return f"{kind} has no linear lm_head"
+        return f"{kind}{NO_HEAD}"
     modules = dict(model.named_modules())
     path = next(n for n, m in modules.items() if m is head)
     get_emb = getattr(model, "get_input_embeddings", None)
@@ -304,6 +307,9 @@ def head_placement(model: nn.Module, names: list[str]) -> HeadPlacement | str:
         # Gemma's embedding multiplies lookups by sqrt(hidden), others renormalise them
         return (f"{kind}'s lm_head is tied to its input embedding, a {type(emb).__name__}, "
                 "which tq runs quantized only as a plain nn.Embedding")
+    if head_key in by_key and other in by_key:
+        return (f"the checkpoint stores {kind}'s tied lm_head and input embedding as two "
+                f"tensors ('{by_key[head_key]}', '{by_key[other]}')")
     source = by_key.get(head_key) or by_key.get(other)
     if source is None:
         return f"the checkpoint has no tensor for {kind}'s '{head_key}'"

@@ -21,6 +21,8 @@ point), so nothing else in tq imports vLLM. Written against vLLM 0.32:
   `process_weights_after_loading` re-indexes the outliers and attaches the rotation
   material (read from the shards: it is shared, so no layer owns its keys).
 - A MoE layer whose experts were converted gets `TQMoEMethod` (`tq_cli/vllm_plugin/moe.py`).
+- A converted lm_head, and the input embedding tied to it, get `TQVocabMethod`
+  (`tq_cli/vllm_plugin/vocab.py`; vLLM's `VocabParallelEmbedding` and `ParallelLMHead`).
 - `apply` is one registered custom op, `torch.ops.vllm.tq_linear`, so torch.compile
   (vLLM compiles the model by default) sees an opaque call with a shape function
   (vllm/utils/torch_utils.py, `direct_register_custom_op`).
@@ -41,6 +43,10 @@ from torch import nn
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import direct_register_custom_op
 
@@ -139,7 +145,7 @@ class TQConfig(QuantizationConfig):
                 bits=e.spec.bits, group_size=e.spec.group_size, out_features=e.shape[0],
                 in_features=e.shape[1], rotation=e.rotation_id, block=e.block,
                 expert=(e.expert.index, e.expert.role) if e.expert is not None else None,
-                col_scale=e.spec.col_scale != "none")
+                col_scale=e.spec.col_scale != "none", tied=e.embedding is not None)
             for e in converted_entries(manifest)}
         self.rotations = {
             rid: RotationInfo(info["kind"], info["n"], info["block"],
@@ -169,6 +175,10 @@ class TQConfig(QuantizationConfig):
             orig_to_new_suffix={stored_key(".weight", s): f".tq_{s}" for s in ALL_SUFFIXES})
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
+        if isinstance(layer, VocabParallelEmbedding):  # lm_head too (ParallelLMHead)
+            from tq_cli.vllm_plugin.vocab import vocab_method
+
+            return vocab_method(self, layer, prefix, head=isinstance(layer, ParallelLMHead))
         if not isinstance(layer, LinearBase):
             if isinstance(layer, RoutedExperts) and any(
                     n.startswith(prefix + ".") for n in self.tensors):
@@ -400,9 +410,11 @@ def _tq_linear_fake(x: torch.Tensor, key: str, out_features: int,
 
 @functools.lru_cache(maxsize=1)
 def register_op() -> None:
-    """`torch.ops.vllm.tq_linear` and `tq_moe`, once per process."""
+    """`torch.ops.vllm.tq_linear`, `tq_moe` and `tq_embedding`, once per process."""
     from tq_cli.vllm_plugin.moe import register_op as register_moe
+    from tq_cli.vllm_plugin.vocab import register_op as register_vocab
 
     register_moe()
+    register_vocab()
     direct_register_custom_op("tq_linear", _tq_linear, mutates_args=[],
                               fake_impl=_tq_linear_fake)

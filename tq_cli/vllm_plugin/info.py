@@ -27,6 +27,7 @@ class LayerInfo:
     block: int
     expert: tuple[int, str] | None = None  # (index, role) of one expert of a MoE layer
     col_scale: bool = False  # x is scaled by the stored t before rotation
+    tied: bool = False  # a lm_head stored as the input embedding's weight (format 3)
 
     def spec(self) -> str:
         return (f"{self.bits} bits, group {self.group_size}, rotation "
