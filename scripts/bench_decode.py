@@ -14,8 +14,10 @@ the first is the default "tq_prefill"), all in the same rounds. The converted mo
 twice: eagerly (`tq_cli.load(..., compile=False)`) and with the compiled decode step and
 static cache `tq_cli.load` gives generate() by default on the CPU (`runtime.compiled`;
 compiled during the warm-up, so the rounds time decoding only), and the greedy tokens of
-the two are compared; so is the compiled model with lm_head quantized as it loads
-(--head-bits, `tq_cli.load(..., head_bits=8)`). The converted layers' resident bytes are
+the two are compared; so is, for a checkpoint that keeps its head as the source has it,
+the compiled model with lm_head quantized as it loads (--head-bits,
+`tq_cli.load(..., head_bits=8)`; a checkpoint that stores its head quantized, as `tq
+convert` does by default, runs it as stored). The converted layers' resident bytes are
 compared with the fp16 size of the same layers.
 """
 
@@ -143,7 +145,9 @@ def main() -> int:
         models = {"fp32": AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(),
                   "tq": tq_cli.load(folder, device="cpu", compile=False),
                   "tq_compiled": tq_cli.load(folder, device="cpu", compile=True)}
-        for hb in (int(b) for b in args.head_bits.split(",") if b.strip()):
+        config = json.loads((folder / "config.json").read_text())["quantization_config"]
+        stored_head = config.get("head_bits")  # the checkpoint's own head (tq convert)
+        for hb in (int(b) for b in args.head_bits.split(",") if b.strip() and not stored_head):
             models[f"tq_compiled_head{hb}"] = tq_cli.load(folder, device="cpu", compile=True,
                                                           head_bits=hb)
         rep = models["tq"].tq_report
@@ -157,6 +161,7 @@ def main() -> int:
     row = {
         "model": "SmolLM2-135M-Instruct", "tq_folder": str(folder), "new_tokens": args.tokens,
         "prefill_tokens": long.shape[1], "cpu_count": os.cpu_count(), "runs": runs,
+        "stored_head_bits": stored_head,
         "converted_layers": rep["layers"], "backends": dict(rep["backends"]),
         "cpu_gemm_default": rep["cpu_gemm"],
         "tq_bytes": rep["tq_bytes"], "packed_bytes": rep["packed_bytes"],

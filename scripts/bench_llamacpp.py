@@ -4,9 +4,11 @@ Usage: python scripts/bench_llamacpp.py [--tq-folder TQ] [--tokens 64] [--prefil
            [--threads 1,2] [--rounds 3] [--json FILE] [--llama-python PATH] [--work DIR]
 
 Engines: tq 4-bit (`tq_cli.load`, its defaults: on the CPU the compiled decode step,
-compiled during the warm-up; `TQ_COMPILE=0` in the environment for the eager path), the
-same with lm_head quantized to 8 bits as it loads (`head_bits=8`; llama.cpp's 4-bit files
-store the tied embedding/head in Q8_0), the fp32 model in transformers, and llama.cpp (via
+compiled during the warm-up; `TQ_COMPILE=0` in the environment for the eager path; the
+head as the checkpoint stores it: `tq convert` stores it at 8 bits by default, as
+llama.cpp's 4-bit files store the tied embedding/head in Q8_0), for a checkpoint that
+keeps its head also the same with lm_head quantized to 8 bits as it loads (`head_bits=8`),
+the fp32 model in transformers, and llama.cpp (via
 llama-cpp-python) on GGUFs of the same fp32 folder: F32 (convert_hf_to_gguf.py), Q4_0 and
 Q4_K_M (llama.cpp's quantizer). Per thread count and round each engine runs in a fresh
 subprocess, so its peak RSS (VmHWM) is its own, and the engines alternate, so a burst of
@@ -258,7 +260,7 @@ def ensure_tq(src: Path, work: Path) -> Path:
     from tq_cli.conversion.converter import ConvertSpec, convert
     from tq_cli.quant.spec import QuantSpec
 
-    folder = work / f"{src.name}-tq4"
+    folder = work / f"{src.name}-tq4-h8"  # the default conversion: an 8-bit head
     if not (folder / "config.json").exists():
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -309,8 +311,14 @@ def main() -> int:
     long = tok(evaluation_text().text).input_ids[:args.prefill]
     eos: Any = json.loads((src / "generation_config.json").read_text()).get("eos_token_id")
     eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    # A checkpoint that stores its head quantized (tq convert's default) runs it as stored;
+    # one that keeps it is also run with the head quantized as it loads.
+    stored_head = json.loads((Path(tq_folder) / "config.json").read_text())[
+        "quantization_config"].get("head_bits")
+    mine = ["tq 4-bit"] + ([] if stored_head else ["tq 4-bit, head 8"])
     engines = {"tq 4-bit": (sys.executable, "tq", tq_folder),
-               "tq 4-bit, head 8": (sys.executable, "tq_head8", tq_folder),
+               **({} if stored_head else
+                  {"tq 4-bit, head 8": (sys.executable, "tq_head8", tq_folder)}),
                "fp32 (transformers)": (sys.executable, "fp32", src),
                **{f"llama.cpp {q}": (str(python), "llama", p) for q, p in ggufs.items()}}
     files = {name: size_mb(path) for name, (_, _, path) in engines.items()}
@@ -335,9 +343,10 @@ def main() -> int:
         ratios = {f"{t} / {name}": {k: round(rows[t][k] / r[k], 3) for k in
                                     ("decode_tokens_per_s", "prefill_tokens_per_s",
                                      "peak_rss_mb", "file_mb")}
-                  for t in ("tq 4-bit", "tq 4-bit, head 8")
+                  for t in mine
                   for name, r in rows.items() if name.startswith("llama")}
-        runs.append({"threads": threads, "engines": rows, "tq_over_llama_cpp": ratios})
+        runs.append({"threads": threads, "engines": rows, "tq_over_llama_cpp": ratios,
+                     "tq_stored_head_bits": stored_head})
         print(f"\nthreads={threads}: decode {args.tokens} tokens after a {len(prompt)}-token "
               f"prompt, prefill {len(long)} tokens, best of {args.rounds}")
         print(f"{'engine':20}{'decode t/s':>11}{'prefill t/s':>12}{'RSS MB':>8}{'(base)':>7}"

@@ -179,8 +179,10 @@ def result_table(r: dict[str, Any]) -> Table:
                 ("cosine min", f"{m['cosine_min']:.5f}"),
                 ("similarity Spearman", f"{m['similarity_spearman']:.5f}"),
                 ("sentences", str(m["sentences"]))]
+    if "model_bits_per_weight" in r:
+        rows.insert(0, ("bits per weight (whole model)", f"{r['model_bits_per_weight']:.4f}"))
     if "bits_per_weight" in r:
-        rows.insert(0, ("bits per weight", f"{r['bits_per_weight']:.4f}"))
+        rows.insert(0, ("bits per weight (converted)", f"{r['bits_per_weight']:.4f}"))
     s = r["settings"]
     source = ("images", s["images"]) if "images" in s else ("text", s["text_source"])
     rows.append(("settings", ", ".join(f"{k}={v}" for k, v in s.items()

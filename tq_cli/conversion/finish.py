@@ -57,9 +57,10 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
                      if tp.rotation_id else 0.0)
             nbytes = rec["nbytes"] + share
             bpw = nbytes * 8 / tp.info.numel
-            conv_bits += nbytes * 8
-            conv_params += tp.info.numel
-            errors.append(rec["rel_error"])
+            if not tp.head:  # the summary's figures are the layers'; a head has its own
+                conv_bits += nbytes * 8
+                conv_params += tp.info.numel
+                errors.append(rec["rel_error"])
             nonfinite_total += rec.get("nonfinite", 0)
             entry.update({
                 "spec": tp.quant.model_dump(),

@@ -359,6 +359,9 @@ def evaluate(candidate: str | Path, reference: str | None, text: Text, spec: Eva
                               **extra}
     if manifest is not None:
         result["bits_per_weight"] = manifest["summary"]["bits_per_weight"]
+        for key in ("model_bits_per_weight", "head_bits"):  # conversions since the head
+            if key in manifest["summary"]:
+                result[key] = manifest["summary"][key]
     return result
 
 

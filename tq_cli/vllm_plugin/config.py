@@ -33,8 +33,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,23 +63,12 @@ from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME
 from tq_cli.io.source import resolve_source
 from tq_cli.vllm_plugin.info import LayerInfo, RotationInfo, rank_rotation
+from tq_cli.vllm_plugin.state import _LAYERS, LayerState, Part, _state
 from tq_kernels import dispatch
 from tq_kernels.packing import packed_row_bytes
-from tq_kernels.reference import Material
 
 METHOD = "tq"
 QKV = ("q", "k", "v")
-
-
-@dataclass(frozen=True)
-class Part:
-    """One logical weight of a (possibly merged) layer on this rank."""
-
-    name: str
-    info: LayerInfo
-    rows: tuple[int, int]  # of the full weight, held by this rank
-    cols: tuple[int, int]
-    offset: int  # first row of this part in the layer's local storage
 
 
 def is_tq_checkpoint(qc: dict[str, Any]) -> bool:
@@ -208,35 +195,6 @@ def _weight_map(folder: Path) -> dict[str, str]:
     import json
 
     return dict(json.loads((folder / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"])
-
-
-# Layers by key, for the custom op (which takes the key, a string torch.compile keeps as a
-# constant). Weak values: an engine that is shut down frees its layers.
-_LAYERS: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
-
-
-@dataclass
-class LayerState:
-    """What a tq layer needs at run time, kept off the module's parameters."""
-
-    prefix: str
-    parts: list[Part]
-    n_local: int
-    bits: int
-    group_size: int
-    out_features: int
-    staged: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    outlier_starts: list[int] = field(default_factory=list)
-    rotation: Material | None = None
-    block: int = 0
-    key: str = ""
-
-
-def _state(layer: nn.Module) -> LayerState:
-    state = layer.__dict__.get("tq_state")
-    if not isinstance(state, LayerState):
-        raise RuntimeError(f"tq: {type(layer).__name__} has no tq state")
-    return state
 
 
 class TQLinearMethod(LinearMethodBase):

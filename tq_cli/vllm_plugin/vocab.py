@@ -47,8 +47,8 @@ from vllm.utils.torch_utils import direct_register_custom_op
 import tq_cli.vllm_plugin.split as split
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import COL_SCALE
-from tq_cli.vllm_plugin.config import _LAYERS, LayerState, Part, _state
 from tq_cli.vllm_plugin.info import LayerInfo, rank_rotation
+from tq_cli.vllm_plugin.state import _LAYERS, LayerState, Part, _state
 from tq_kernels.packing import packed_row_bytes
 from tq_kernels.reference import dequantize_codes
 from tq_kernels.rotation import hadamard_unrotate
