@@ -106,13 +106,14 @@ def _tiny_llama(folder: Path, intermediate: int = 512, vocab: int = 320,
 
 def _convert(source: Path, out: Path, recipe: str | None = None, bits: int = 4,
              rotation: str = "hadamard", group_size: int = 128,
-             head_bits: int | None = None) -> Path:
+             head_bits: int | str | None = "default") -> Path:
     from tq_cli.conversion.converter import ConvertSpec, convert
     from tq_cli.quant.spec import QuantSpec, RotationSpec
 
     # --fast: these tests are about serving (and vLLM's venv has no accelerate, which
-    # self-calibration needs to run the model). head_bits None: convert's default.
-    head = {"head_bits": head_bits} if head_bits is not None else {}
+    # self-calibration needs to run the model). head_bits "default": convert's default (an
+    # 8-bit head); None keeps the head as the source has it.
+    head = {"head_bits": head_bits} if head_bits != "default" else {}
     convert(source, out, ConvertSpec(quant=QuantSpec(bits=bits, group_size=group_size),
                                      recipe=recipe, device="cpu", fast=True,
                                      rotation=RotationSpec(kind=rotation), **head))
@@ -120,10 +121,9 @@ def _convert(source: Path, out: Path, recipe: str | None = None, bits: int = 4,
 
 
 def _head_entry(folder: Path) -> dict:
-    """The manifest's entry of the converted lm_head (module lm_head, or its own name)."""
+    """The manifest's entry of the converted lm_head."""
     tensors = json.loads((folder / "tq_manifest.json").read_text())["tensors"]
-    return next(e for e in tensors if e.get("spec") and (
-        e.get("module") == "lm_head" or e["name"] == "lm_head.weight"))
+    return next(e for e in tensors if e.get("head"))
 
 
 def _tq_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -184,7 +184,8 @@ def _vllm(folder: Path, tmp: Path, tp: int = 1, prompts: list[list[int]] = PROMP
 @pytest.fixture(scope="module")
 def tiny_tq(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("vllm-tiny")
-    return _convert(_tiny_llama(tmp / "src"), tmp / "tq4")
+    # the head as the source has it: served by vLLM's own layers beside tq's
+    return _convert(_tiny_llama(tmp / "src"), tmp / "tq4", head_bits=None)
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +315,8 @@ def test_vocab_method_finds_the_tied_head_and_refuses_in_one_line() -> None:
     assert str(err.value) == (
         "tq: model.embed_tokens.weight: stored as 300 x 256, vLLM builds SimpleNamespace of "
         "320 x 256; "
-        "the checkpoint does not match the model config (convert with --head-bits none)")
+        "the checkpoint does not match its config.json (vocab_size, hidden_size): convert the "
+        "model again")
     untied = SimpleNamespace(tensors={"lm_head": LayerInfo(
         bits=4, group_size=128, out_features=300, in_features=256, rotation=None, block=0)})
     assert vocab_method(untied, emb, "lm_head", head=True).role == HEAD
@@ -417,8 +419,8 @@ SMOL_PROMPTS = [
 def test_smollm2_4bit_tied_8bit_head_same_tokens_as_tq_load(smollm2: Path,
                                                              tmp_path: Path) -> None:
     # SmolLM2 ties lm_head to its input embedding: with --head-bits 8 the checkpoint holds
-    # the one tensor quantized, which vLLM reads as both (an unquantized head is served by
-    # vLLM's own layers, as the tiny models' tests show).
+    # the one tensor quantized, which vLLM reads as both (a head kept as the source has it
+    # is served by vLLM's own layers: `tiny_tq`).
     from transformers import AutoTokenizer
 
     folder = _convert(smollm2, tmp_path / "smol-tq4-head8", head_bits=8)

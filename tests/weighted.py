@@ -14,8 +14,7 @@ from tq_cli.quant.grouped import dequantize
 def is_head(entry: dict) -> bool:
     """A manifest entry of lm_head stored quantized (`--head-bits`: the weight-only fit,
     no calibration Hessian)."""
-    module = entry.get("module") or entry["name"].removesuffix(".weight")
-    return entry.get("action") == "quantize" and module.rsplit(".", 1)[-1] == "lm_head"
+    return entry.get("head") is True
 
 
 def weighted_errors(folder: Path, calib: Calibration) -> dict[str, float]:

@@ -55,9 +55,12 @@ def _choices(text: str) -> list[int | str]:
     return [int(x) if x.strip().isdigit() else x.strip() for x in text.split(",")]
 
 
-def _number(text: str) -> int | str:
-    """'8' -> 8; anything else is passed through for validation to name."""
-    return int(text) if text.strip().isdigit() else text
+def _head_bits(text: str) -> int | None:
+    """--head-bits: '8' -> 8, 'none' -> None; anything else is a usage error."""
+    value = text.strip().lower()
+    if value not in ("8", "4", "none"):
+        raise typer.BadParameter(f"'{text}' is not 8, 4 or none", param_hint="--head-bits")
+    return None if value == "none" else int(value)
 
 
 def parse_size(text: str) -> int:
@@ -134,8 +137,7 @@ def main(
             "act_order": act_order, "synthetic_calib": synthetic_calib, "fast": fast,
             "target_bits": target_bits, "vision": vision,
             "bit_choices": _choices(bit_choices),
-        } | ({} if head_bits is None else {
-            "head_bits": None if head_bits == "none" else _number(head_bits)}))
+        } | ({} if head_bits is None else {"head_bits": _head_bits(head_bits)}))
     except ValueError as e:  # pydantic's ValidationError, or --temperature's parser
         raise (usage_error(e, FLAGS) if isinstance(e, ValidationError)
                else typer.BadParameter(str(e), param_hint="--temperature")) from None
@@ -186,7 +188,7 @@ def summary_table(r: ConvertResult, spec: ConvertSpec) -> Table:
         ("tensors kept", str(r.tensors_kept)),
         ("bits per weight (converted)", f"{r.bits_per_weight:.4f}"),
         ("bits per weight (whole model)", f"{r.model_bits_per_weight:.4f}"),
-        ("lm_head", f"{r.head_bits}-bit" if r.head_bits else "as in the source"),
+        ("lm_head", f"{r.head_bits}-bit" if r.head_bits else "not quantized"),
         ("mean rel. reconstruction error", f"{r.mean_rel_error:.6f}"),
         ("max rel. reconstruction error", f"{r.max_rel_error:.6f}"),
         ("source size", f"{r.source_bytes / 1e6:.1f} MB"),

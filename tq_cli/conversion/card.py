@@ -9,7 +9,7 @@ def render_card(manifest: dict) -> str:
     s = manifest["summary"]
     q, r = manifest["quant"], manifest["rotation"]
     src = manifest["source"]
-    head = f"{s['head_bits']}-bit" if s.get("head_bits") else "as in the source"
+    head = f"{s['head_bits']}-bit" if s.get("head_bits") else "not quantized"
     lines = [
         "---",
         "tags: [turboquant, tq, quantized]",

@@ -47,6 +47,8 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
             entry["module"] = tp.module
         if tp.expert is not None:
             entry["expert"] = tp.expert.record()
+        if tp.head:
+            entry["head"] = True
         if tp.embedding is not None:
             entry["embedding"] = tp.embedding
         if tp.note is not None:

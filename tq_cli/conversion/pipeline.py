@@ -250,7 +250,7 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device,
                               None if head else calib, item.col_scale, norm)
         if head:
-            res = replace(res, q=finish_head(res.q))
+            res = replace(res, q=finish_head(res.q, item.w_rot, rotated=True))
         if item.original is not None:  # the error of what is stored against what was read
             w0 = item.original
             err = float(torch.linalg.vector_norm(w0 - dequantize(res.q), dtype=torch.float64))

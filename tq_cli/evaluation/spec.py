@@ -239,11 +239,12 @@ def parse_sweep(text: str) -> list[dict[str, Any]]:
 
 
 def to_spec(combo: dict[str, Any]) -> ConvertSpec:
-    """The ConvertSpec of one combination (TqError when the combination is invalid)."""
+    """The ConvertSpec of one combination (TqError when the combination is invalid). The
+    head stays as the source has it: a sweep compares the layers' settings."""
     fields = {BY_FLAG[k].field: BY_FLAG[k].parse(v) if isinstance(v, str) else v
               for k, v in combo.items()}
     try:
-        return ConvertSpec.model_validate(nest(fields))
+        return ConvertSpec.model_validate(nest(fields) | {"head_bits": None})
     except ValidationError as e:
         _, msg = first_error(e)
         raise TqError(f"--sweep: combination {combo} is invalid: {msg}") from e

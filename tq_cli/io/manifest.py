@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tq_cli.errors import TqError
-from tq_cli.io.format import FORMAT_VERSION, MANIFEST, QUANT_METHOD, check_format_version
+from tq_cli.io.format import MANIFEST, QUANT_METHOD, check_format_version
 
 __all__ = ["NotACheckpointError", "loads_strict", "quantization_config", "read_manifest",
            "write_json"]
@@ -52,7 +52,7 @@ def read_manifest(folder: Path) -> dict:
 
 
 def quantization_config(quant: dict, rotation: dict, block: int | None,
-                        kept_modules: list[str], version: int = FORMAT_VERSION,
+                        kept_modules: list[str], version: int,
                         head_bits: int | None = None) -> dict:
     """The config.json entry that marks a folder as a TurboQuant checkpoint; `finish` adds
     the manifest's digest (tq_cli.io.integrity.manifest_digest) for readers to check.

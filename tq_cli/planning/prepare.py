@@ -17,7 +17,7 @@ from typing import Any
 
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import Expert
-from tq_cli.io.safetensors_reader import SourceModel, open_source
+from tq_cli.io.safetensors_reader import FLOAT_DTYPES, SourceModel, open_source
 from tq_cli.io.source import resolve_source
 from tq_cli.planning.plan import HeadPlan, Plan, make_plan
 from tq_cli.planning.recipe import Recipe, builtin_recipes, resolve_recipe
@@ -139,6 +139,9 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool,
         if head_bits is not None and head_required:
             raise UnsupportedError("--head-bits: finding the model's lm_head needs "
                                    "transformers: pip install 'tq[models]'")
+        if head_bits is not None:
+            planned.notes.append("lm_head not quantized (--head-bits): finding it needs "
+                                 "transformers: pip install 'tq[models]'")
         planned.notes.append("transformers is not installed, so tq could not check that each "
                              "converted tensor loads back as an nn.Linear; pip install "
                              "'tq[models]' for the check")
@@ -158,11 +161,19 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool,
         if head_bits is not None and head_required:
             raise UnsupportedError(f"{planned.folder}: --head-bits: tq cannot find the model's "
                                    f"lm_head ({skipped}); pass --head-bits none")
+        if head_bits is not None:
+            planned.notes.append(f"lm_head not quantized (--head-bits): tq cannot find it "
+                                 f"({skipped})")
         planned.notes.append(f"not checked that each converted tensor loads back: {skipped}")
         return
     skeleton = build_in_folder(planned.folder, model.config)
     placed = place(skeleton, planned.converted_names)
     where = head_placement(skeleton, list(model.tensors)) if head_bits is not None else None
+    if not isinstance(where, str) and where is not None:
+        info = model.tensors[where.source]
+        if len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
+            where = (f"its tensor '{where.source}' has shape {list(info.shape)} and dtype "
+                     f"{info.dtype}, and tq stores a 2-D float head only")
     if isinstance(where, str):
         if head_required:
             raise UnsupportedError(f"{planned.folder}: --head-bits {head_bits}: {where}; "
@@ -196,6 +207,11 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool,
                                  modules=planned.modules, keep=planned.keep,
                                  experts=planned.experts, head=planned.head)
         if not any(not t.head for t in planned.plan.converted):  # a head alone is not it
+            if not planned.keep:  # the recipe converts the head only, which is --head-bits'
+                raise UnsupportedError(
+                    f"{planned.folder}: recipe '{planned.recipe.name}' converts only the "
+                    "model's lm_head, which --head-bits stores; use a recipe that converts "
+                    "the model's layers")
             raise UnsupportedError(
                 f"{planned.folder}: none of the tensors recipe '{planned.recipe.name}' "
                 f"converts can run quantized ({next(iter(planned.keep.values()))}); tq runs "

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from tq_cli.quant.grouped import QuantizedTensor
+from tq_cli.quant.grouped import QuantizedTensor, dequantize, dequantize_rotated
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 
 HEAD_BITS = (4, 8)
@@ -43,9 +43,21 @@ def integer_levels(q: QuantizedTensor) -> QuantizedTensor:
     return replace(q, codebook=levels.to(q.codebook.device), scales=scales)
 
 
-def finish_head(q: QuantizedTensor) -> QuantizedTensor:
-    """A head's fit as stored: 8 bits on the integer grid, 4 bits as fitted."""
-    return integer_levels(q) if q.spec.bits == 8 else q
+def finish_head(q: QuantizedTensor, w: torch.Tensor | None = None,
+                rotated: bool = False) -> QuantizedTensor:
+    """A head's fit as stored: 8 bits on the integer grid (its fp16 scales rounded again,
+    so `rel_error` is measured again against `w`, the weight it stands for, in the rotated
+    basis where `rotated`), 4 bits as fitted."""
+    if q.spec.bits != 8:
+        return q
+    q = integer_levels(q)
+    if w is None:
+        return q
+    w = w.float()
+    approx = dequantize_rotated(q) if rotated else dequantize(q)
+    err = float(torch.linalg.vector_norm(w - approx.to(w.device), dtype=torch.float64))
+    norm = float(torch.linalg.vector_norm(w, dtype=torch.float64))
+    return replace(q, rel_error=(err / norm) ** 2 if norm else 0.0)
 
 
 __all__ = ["HEAD_BITS", "HEAD_GROUP", "finish_head", "head_rotation", "head_spec",

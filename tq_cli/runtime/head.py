@@ -84,7 +84,7 @@ def quantize_head(model: Any, bits: int) -> dict[str, Any]:
     # the embedding keeps its own (formerly shared) weight.
     tied = (type(emb) is nn.Embedding and emb.max_norm is None
             and emb.weight.data_ptr() == w.data_ptr())
-    q = finish_head(quantize(w.float(), head_spec(bits), head_rotation(), device=w.device))
+    q = finish_head(quantize(w.float(), head_spec(bits), head_rotation(), device=w.device), w)
     dev = w.device
     layer = TQLinear(w.shape[1], w.shape[0], bits=bits, group_size=HEAD_GROUP, specs={})
     for suffix in SUFFIXES:

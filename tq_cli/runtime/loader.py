@@ -89,7 +89,8 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
     allows it (CPU, no kv_bits, not TQ_COMPILE=0), else eagerly with a log line saying why;
     True: refuse a model it cannot serve; False: eagerly.
     head_bits: 8 or 4 quantizes lm_head (and an input embedding tied to it) as it loads
-    (`runtime.head`); None keeps it as stored.
+    (`runtime.head`), for a checkpoint that keeps its head (one that stores it quantized,
+    `tq convert`'s default, is refused); None runs the head as stored.
     """
     args = _checked(device=device, dtype=dtype, verify_checksums=verify_checksums,
                     kv_bits=kv_bits, kv_window=kv_window, compile=compile,
@@ -113,6 +114,10 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
     register()
 
     config = json.loads((folder / "config.json").read_text())
+    stored_head = (config.get("quantization_config") or {}).get("head_bits")
+    if args.head_bits is not None and stored_head:
+        raise UnsupportedError(f"tq_cli.load: head_bits: {folder} stores lm_head quantized "
+                               f"already ({stored_head} bits); load it with head_bits=None")
     cls = model_class(config)
     token = SKIP_CHECKSUMS.set(not args.verify_checksums)  # the quantizer checks the folder too
     try:

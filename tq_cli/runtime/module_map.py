@@ -289,8 +289,8 @@ def head_placement(model: nn.Module, names: list[str]) -> HeadPlacement | str:
     get_emb = getattr(model, "get_input_embeddings", None)
     emb = get_emb() if callable(get_emb) else None
     emb_path = next((n for n, m in modules.items() if m is emb), None)
-    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    tied |= {v: k for k, v in tied.items()}
+    raw = dict(getattr(model, "all_tied_weights_keys", None) or {})  # target -> source
+    tied = raw | {v: k for k, v in raw.items()}
     renamings, converters = _conversions(model)
     params = dict(model.state_dict(keep_vars=True))
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -307,10 +307,16 @@ def head_placement(model: nn.Module, names: list[str]) -> HeadPlacement | str:
         # Gemma's embedding multiplies lookups by sqrt(hidden), others renormalise them
         return (f"{kind}'s lm_head is tied to its input embedding, a {type(emb).__name__}, "
                 "which tq runs quantized only as a plain nn.Embedding")
-    if head_key in by_key and other in by_key:
-        return (f"the checkpoint stores {kind}'s tied lm_head and input embedding as two "
-                f"tensors ('{by_key[head_key]}', '{by_key[other]}')")
-    source = by_key.get(head_key) or by_key.get(other)
+    if head.bias is not None:  # a masked-LM head: its bias is a tied parameter of its own
+        return f"{kind}'s lm_head, tied to its input embedding, has a bias"
+    if sum(other in (k, v) for k, v in raw.items()) > 1:  # T5: encoder, decoder and head
+        return (f"{kind}'s input embedding '{other}' is tied to more than lm_head, and tq "
+                "stores it quantized only as the head's")
+    if head_key in by_key:  # stored under the head's name (and maybe the embedding's too)
+        where = (f"as two tensors ('{by_key[head_key]}', '{by_key[other]}')" if other in by_key
+                 else f"under lm_head's name ('{by_key[head_key]}')")
+        return f"the checkpoint stores {kind}'s tied lm_head and input embedding {where}"
+    source = by_key.get(other)
     if source is None:
         return f"the checkpoint has no tensor for {kind}'s '{head_key}'"
     return HeadPlacement(source, path, emb_path)

@@ -63,7 +63,7 @@ from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import INDEX_NAME
 from tq_cli.io.source import resolve_source
 from tq_cli.vllm_plugin.info import LayerInfo, RotationInfo, rank_rotation
-from tq_cli.vllm_plugin.state import _LAYERS, LayerState, Part, _state
+from tq_cli.vllm_plugin.state import LAYERS, LayerState, Part, layer_state
 from tq_kernels import dispatch
 from tq_kernels.packing import packed_row_bytes
 
@@ -256,7 +256,7 @@ class TQLinearMethod(LinearMethodBase):
             set_weight_attrs(param, {"weight_loader": functools.partial(_load, layer, name)})
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        st = _state(layer)
+        st = layer_state(layer)
         dev = layer.get_parameter("tq_codes").device
         idx, val = [], []
         st.outlier_starts = [0]
@@ -280,11 +280,11 @@ class TQLinearMethod(LinearMethodBase):
             st.rotation, st.block = rank_rotation(self.config.folder, rid,
                                                   self.config.rotations[rid], first.cols, dev)
         st.key = f"{self.prefix}#{id(layer)}"
-        _LAYERS[st.key] = layer
+        LAYERS[st.key] = layer
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        st = _state(layer)
+        st = layer_state(layer)
         y: torch.Tensor = torch.ops.vllm.tq_linear(x, st.key, st.out_features, bias)
         return y
 
@@ -305,7 +305,7 @@ def _part_index(st: LayerState, shard_id: Any) -> int:
 def _load(layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor,
           shard_id: Any = None) -> None:
     """Weight loader of every tq parameter: cut the full tensor to this rank's share."""
-    st = _state(layer)
+    st = layer_state(layer)
     p = _part_index(st, shard_id)
     part = st.parts[p]
     info = part.info
@@ -333,8 +333,8 @@ def _load(layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor
 
 def _tq_linear(x: torch.Tensor, key: str, out_features: int,
                bias: torch.Tensor | None) -> torch.Tensor:
-    layer = _LAYERS[key]
-    st = _state(layer)
+    layer = LAYERS[key]
+    st = layer_state(layer)
     codes, scales = layer.get_parameter("tq_codes"), layer.get_parameter("tq_scales")
     codebook = layer.get_parameter("tq_codebook")
     oidx, oval = layer.get_parameter("tq_outlier_idx"), layer.get_parameter("tq_outlier_val")

@@ -27,7 +27,7 @@ class Part:
 
 # Layers by key, for the custom op (which takes the key, a string torch.compile keeps as a
 # constant). Weak values: an engine that is shut down frees its layers.
-_LAYERS: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
+LAYERS: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
 
 
 @dataclass
@@ -47,11 +47,11 @@ class LayerState:
     key: str = ""
 
 
-def _state(layer: nn.Module) -> LayerState:
+def layer_state(layer: nn.Module) -> LayerState:
     state = layer.__dict__.get("tq_state")
     if not isinstance(state, LayerState):
         raise RuntimeError(f"tq: {type(layer).__name__} has no tq state")
     return state
 
 
-__all__ = ["_LAYERS", "LayerState", "Part", "_state"]
+__all__ = ["LAYERS", "LayerState", "Part", "layer_state"]

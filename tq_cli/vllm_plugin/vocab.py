@@ -48,7 +48,7 @@ import tq_cli.vllm_plugin.split as split
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import COL_SCALE
 from tq_cli.vllm_plugin.info import LayerInfo, rank_rotation
-from tq_cli.vllm_plugin.state import _LAYERS, LayerState, Part, _state
+from tq_cli.vllm_plugin.state import LAYERS, LayerState, Part, layer_state
 from tq_kernels.packing import packed_row_bytes
 from tq_kernels.reference import dequantize_codes
 from tq_kernels.rotation import hadamard_unrotate
@@ -76,7 +76,8 @@ class TQVocabMethod(QuantizeMethodBase):
             raise UnsupportedError(
                 f"tq: {self.name}.weight: stored as {info.out_features} x {info.in_features}, "
                 f"vLLM builds {type(layer).__name__} of {vocab} x {input_size}; the "
-                f"checkpoint does not match the model config ({FIX})")
+                "checkpoint does not match its config.json (vocab_size, hidden_size): "
+                "convert the model again")
         layer.__dict__["tq_params_dtype"] = params_dtype
         if self.role == TIED_HEAD:  # the embedding's weight, shared in tie_weights
             return
@@ -127,7 +128,7 @@ class TQVocabMethod(QuantizeMethodBase):
         for pname, param in embed_tokens.named_parameters(recurse=False):
             if pname.startswith("tq_"):
                 layer.register_parameter(pname, param)
-        layer.__dict__["tq_state"] = _state(embed_tokens)
+        layer.__dict__["tq_state"] = layer_state(embed_tokens)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.role == TIED_HEAD:
@@ -139,7 +140,7 @@ class TQVocabMethod(QuantizeMethodBase):
                     f"tie_word_embeddings false in config.json?); {FIX}")
             self._share(layer, embed)  # the outliers were replaced below, on the embedding
             return
-        st = _state(layer)
+        st = layer_state(layer)
         part = st.parts[0]
         if ("outlier_idx", 0) not in st.staged or ("outlier_val", 0) not in st.staged:
             raise UnsupportedError(f"tq: {self.name}.weight: outliers missing from the "
@@ -161,10 +162,10 @@ class TQVocabMethod(QuantizeMethodBase):
             st.rotation, st.block = rank_rotation(self.config.folder, rid,
                                                   self.config.rotations[rid], part.cols, dev)
         st.key = f"{self.name}#{id(layer)}"
-        _LAYERS[st.key] = layer
+        LAYERS[st.key] = layer
 
     def embedding(self, layer: nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        st = _state(layer)
+        st = layer_state(layer)
         if self.role != EMBEDDING:
             raise RuntimeError(f"tq: {self.name}: {self.role} is not an input embedding")
         y: torch.Tensor = torch.ops.vllm.tq_embedding(input_, st.key, st.n_local,
@@ -173,14 +174,14 @@ class TQVocabMethod(QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        st = _state(layer)
+        st = layer_state(layer)
         y: torch.Tensor = torch.ops.vllm.tq_linear(x, st.key, st.out_features, bias)
         return y
 
 
 def _load(layer: nn.Module, suffix: str, param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Weight loader of every parameter: keep this rank's rows of the stored tensor."""
-    st = _state(layer)
+    st = layer_state(layer)
     part = st.parts[0]
     if suffix.startswith("outlier"):
         st.staged[suffix, 0] = loaded.detach().to("cpu", copy=True)
@@ -202,8 +203,8 @@ def _load(layer: nn.Module, suffix: str, param: nn.Parameter, loaded: torch.Tens
 
 
 def _tq_embedding(ids: torch.Tensor, key: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    layer = _LAYERS[key]
-    st = _state(layer)
+    layer = LAYERS[key]
+    st = layer_state(layer)
     rows = ids.reshape(-1).long()
     codes, scales = layer.get_parameter("tq_codes"), layer.get_parameter("tq_scales")
     x = dequantize_codes(codes[rows], scales[rows], layer.get_parameter("tq_codebook")[0],
