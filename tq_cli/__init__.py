@@ -1,7 +1,7 @@
 """tq: convert language models into low-bit TurboQuant checkpoints and run them.
 
 Library API (the CLI is a thin layer over these):
-    convert(source, out, spec)        stream a model folder into a format-v1 checkpoint
+    convert(source, out, spec)        stream a model folder into a tq checkpoint
     quantize(weight, spec, rotation)  -> QuantizedTensor (pure)
     dequantize(q)                     -> Tensor (pure)
     load(path_or_hub_id)              -> a transformers model with TQLinear layers

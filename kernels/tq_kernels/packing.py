@@ -1,4 +1,5 @@
-"""The packed code layout of format v1, defined once for the writer and the kernels.
+"""The packed code layout of tq's checkpoint format (unchanged since version 1), defined
+once for the writer and the kernels.
 
 A row of `n` codes of `bits` bits is split into bit planes of widths 4, 2 or 1 (lowest
 bits first): 2 -> (2,), 3 -> (2, 1), 4 -> (4,), 8 -> (8,). Each plane stores the row,

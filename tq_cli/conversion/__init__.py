@@ -1,4 +1,4 @@
-"""`tq convert`: a model folder in, a format-v1 checkpoint out.
+"""`tq convert`: a model folder in, a tq checkpoint out (docs/format.md).
 
 `converter` orchestrates; `spec` holds ConvertSpec/ConvertResult; `pipeline` streams
 read+rotate, quantize and write in three threads; `finish` writes the manifest, index,

@@ -1,4 +1,4 @@
-"""`convert`: a model folder in, a format-v1 TurboQuant checkpoint out.
+"""`convert`: a model folder in, a TurboQuant checkpoint out (docs/format.md).
 
 Orchestrates the reader, the plan, the streaming pipeline and the writer (the data
 flow of docs/design.md). The output folder's life (partial folder, resume, swap) is

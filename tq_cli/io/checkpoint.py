@@ -1,4 +1,4 @@
-"""Reading a format-v1 checkpoint back: manifest, checksums, and quantized tensors.
+"""Reading a tq checkpoint back: manifest, checksums, and quantized tensors.
 
 Used by the loader, by `tq eval` and by tests. Opening one runs the structural checks
 of `tq_cli.io.integrity` (schema, manifest digest, index and every shard header against

@@ -29,7 +29,9 @@ def head_spec(bits: int) -> QuantSpec:
 
 
 def head_rotation(seed: int = 0) -> RotationSpec:
-    """A head's rotation: Hadamard (an embedding lookup undoes it row by row)."""
+    """A head's rotation: Hadamard (an embedding lookup undoes it row by row), from the
+    conversion's seed (`--seed`, 0 by default; per-tensor `--seeds` do not apply to it;
+    the load-time head uses 0)."""
     return RotationSpec(kind="hadamard", seed=seed)
 
 

@@ -40,7 +40,7 @@ Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class TurboQuantConfig(QuantizationConfigMixin):
-    """config.json's `quantization_config` for quant_method "turboquant" (format v2)."""
+    """config.json's `quantization_config` for quant_method "turboquant" (format version 3)."""
 
     def __init__(self, bits: int = 4, group_size: int = 128,
                  format_version: int = FORMAT_VERSION,

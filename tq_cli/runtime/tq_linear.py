@@ -62,7 +62,7 @@ class RotationMaterial(nn.Module):
 
 
 class TQLinear(nn.Module):
-    """y = x W^T + b with W stored as TurboQuant codes (format v2)."""
+    """y = x W^T + b with W stored as TurboQuant codes (docs/format.md)."""
 
     tq_rotation_id: str | None = None  # the shared rotation material's id, set on loading
 

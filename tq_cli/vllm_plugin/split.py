@@ -1,4 +1,4 @@
-"""Tensor-parallel slicing of format-v1 tensors, in plain torch (no vLLM import).
+"""Tensor-parallel slicing of tq's stored tensors, in plain torch (no vLLM import).
 
 vLLM splits a column-parallel layer (q/k/v, gate/up) by output rows and a row-parallel
 layer (o_proj, down_proj) by input columns, evenly over the ranks
