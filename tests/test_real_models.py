@@ -125,30 +125,32 @@ def test_minilm_converts_and_embeds(minilm: Path, tmp_path: Path) -> None:
     assert float(cos.min()) > 0.94, cos
 
 
-def test_smollm2_loads_and_generates(smol_tq4: Path) -> None:
+def _france(folder: Path, layers: int) -> str:
+    """The converted model's greedy answer to the capital-of-France question (its
+    `layers` TQLinear layers checked first)."""
     from transformers import AutoTokenizer
 
     import tq_cli
 
-    tok = AutoTokenizer.from_pretrained(smol_tq4)
-    model = tq_cli.load(smol_tq4, device="cpu")
-    assert model.tq_report["layers"] == 210
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = tq_cli.load(folder, device="cpu", compile=False)
+    assert model.tq_report["layers"] == layers
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
     if not isinstance(ids, torch.Tensor):
         ids = ids["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return str(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+
+
+def test_smollm2_loads_and_generates(smol_tq4: Path) -> None:
+    text = _france(smol_tq4, 210)
     assert "Paris" in text, text
 
 
 def test_smollm2_8bit_head_halves_the_checkpoint_and_still_answers(
         smol_h8: Path, smol_tq4: Path) -> None:
-    from transformers import AutoTokenizer
-
-    import tq_cli
-
     ck = Checkpoint(smol_h8)
     ck.verify_checksums()
     s = ck.manifest["summary"]
@@ -158,16 +160,7 @@ def test_smollm2_8bit_head_halves_the_checkpoint_and_still_answers(
     assert ck.manifest["format_version"] == 3
     size = Checkpoint(smol_tq4).manifest["summary"]["output_bytes"]
     assert s["output_bytes"] < 0.51 * size  # SmolLM2's fp32 embedding was 113 MB of 169
-    tok = AutoTokenizer.from_pretrained(smol_h8)
-    model = tq_cli.load(smol_h8, device="cpu", compile=False)
-    assert model.tq_report["layers"] == 211
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
-    if not isinstance(ids, torch.Tensor):
-        ids = ids["input_ids"]
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    text = _france(smol_h8, 211)
     assert "Paris" in text, text
 
 
