@@ -17,6 +17,8 @@ import torch
 
 from tq_cli.quant.grouped import QuantizedTensor, dequantize, dequantize_rotated
 from tq_cli.quant.spec import QuantSpec, RotationSpec
+from tq_kernels.reference import dequantize_codes
+from tq_kernels.rotation import hadamard_unrotate
 
 HEAD_BITS = (4, 8)
 HEAD_GROUP = 128
@@ -33,6 +35,19 @@ def head_rotation(seed: int = 0) -> RotationSpec:
     conversion's seed (`--seed`, 0 by default; per-tensor `--seeds` do not apply to it;
     the load-time head uses 0)."""
     return RotationSpec(kind="hadamard", seed=seed)
+
+
+def embedding_rows(ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                   codebook: torch.Tensor, bits: int, group_size: int, in_features: int,
+                   signs: torch.Tensor | None, block: int) -> torch.Tensor:
+    """Rows `ids` of a head stored without outliers, in the original basis (float32,
+    [ids.numel(), in_features]): only those rows' codes and scales are dequantized, then
+    the Hadamard rotation (`signs`, `block`; None: none) is undone. An input embedding
+    tied to the head looks its tokens up this way (transformers and vLLM)."""
+    rows = ids.reshape(-1).long()
+    x = dequantize_codes(codes[rows], scales[rows], codebook, bits=bits,
+                         group_size=group_size, in_features=in_features)
+    return hadamard_unrotate(x, signs, block) if signs is not None else x
 
 
 def integer_levels(q: QuantizedTensor) -> QuantizedTensor:
@@ -62,5 +77,5 @@ def finish_head(q: QuantizedTensor, w: torch.Tensor | None = None,
     return replace(q, rel_error=(err / norm) ** 2 if norm else 0.0)
 
 
-__all__ = ["HEAD_BITS", "HEAD_GROUP", "finish_head", "head_rotation", "head_spec",
+__all__ = ["HEAD_BITS", "HEAD_GROUP", "embedding_rows", "finish_head", "head_rotation", "head_spec",
            "integer_levels"]

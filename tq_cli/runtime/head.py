@@ -25,10 +25,15 @@ from torch import nn
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import SUFFIXES
 from tq_cli.quant.grouped import quantize
-from tq_cli.quant.head import HEAD_BITS, HEAD_GROUP, finish_head, head_rotation, head_spec
+from tq_cli.quant.head import (
+    HEAD_BITS,
+    HEAD_GROUP,
+    embedding_rows,
+    finish_head,
+    head_rotation,
+    head_spec,
+)
 from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
-from tq_kernels.reference import dequantize_codes
-from tq_kernels.rotation import hadamard_unrotate
 
 
 class TQEmbedding(nn.Module):
@@ -54,13 +59,10 @@ class TQEmbedding(nn.Module):
         return self.__dict__["head"]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h, w = self.head, self.head.weight
-        rows = ids.reshape(-1).long()
-        x = dequantize_codes(w.codes[rows], w.scales[rows], w.codebook, bits=h.bits,
-                             group_size=h.group_size, in_features=h.in_features)
-        rot = h.rotation
-        if rot is not None:
-            x = hadamard_unrotate(x, rot.signs, rot.block)
+        h, w, rot = self.head, self.head.weight, self.head.rotation
+        x = embedding_rows(ids, w.codes, w.scales, w.codebook, h.bits, h.group_size,
+                           h.in_features, rot.signs if rot is not None else None,
+                           rot.block if rot is not None else 0)
         return x.to(self.dtype).reshape(*ids.shape, -1)
 
 

@@ -75,9 +75,7 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
             path = e.module.removeprefix(e.expert.of + ".")
             experts.setdefault(e.expert.of, {})[(e.expert.index, e.expert.role)] = (path, layer)
             continue
-        ck = e.module
-        name = next((n for n in (ck, f"{prefix}.{ck}", ck.removeprefix(prefix + "."))
-                     if n in modules), None)
+        name = _module_name(modules, prefix, e.module)
         if name is None or not isinstance(modules[name], nn.Linear):
             found = type(modules[name]).__name__ if name is not None else "no module"
             raise UnsupportedError(
@@ -111,6 +109,13 @@ def prepare_model(model: nn.Module, folder: Path, headers: Specs) -> nn.Module:
     return model
 
 
+def _module_name(modules: dict[str, nn.Module], prefix: str, path: str) -> str | None:
+    """The built model's name for a module the manifest names `path` (with or without the
+    model's base prefix), or None."""
+    return next((n for n in (path, f"{prefix}.{path}", path.removeprefix(prefix + "."))
+                 if n in modules), None)
+
+
 def _tied_embedding(model: nn.Module, folder: Path, modules: dict[str, nn.Module],
                     prefix: str, e: ConvertedEntry, head_name: str, layer: TQLinear) -> None:
     """A head stored once for lm_head and the input embedding tied to it (format 3): the
@@ -119,8 +124,7 @@ def _tied_embedding(model: nn.Module, folder: Path, modules: dict[str, nn.Module
     from tq_cli.runtime.head import TQEmbedding
 
     ck = e.embedding or ""
-    name = next((n for n in (ck, f"{prefix}.{ck}", ck.removeprefix(prefix + "."))
-                 if n in modules), None)
+    name = _module_name(modules, prefix, ck)
     old = modules.get(name) if name is not None else None
     if type(old) is not nn.Embedding:
         found = type(old).__name__ if old is not None else "no module"

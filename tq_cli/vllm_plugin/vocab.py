@@ -47,11 +47,10 @@ from vllm.utils.torch_utils import direct_register_custom_op
 import tq_cli.vllm_plugin.split as split
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import COL_SCALE
+from tq_cli.quant.head import embedding_rows
 from tq_cli.vllm_plugin.info import LayerInfo, rank_rotation
 from tq_cli.vllm_plugin.state import LAYERS, LayerState, Part, layer_state
 from tq_kernels.packing import packed_row_bytes
-from tq_kernels.reference import dequantize_codes
-from tq_kernels.rotation import hadamard_unrotate
 
 EMBEDDING, HEAD, TIED_HEAD = "embedding", "head", "tied head"
 FIX = "convert with --head-bits none"
@@ -205,12 +204,10 @@ def _load(layer: nn.Module, suffix: str, param: nn.Parameter, loaded: torch.Tens
 def _tq_embedding(ids: torch.Tensor, key: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
     layer = LAYERS[key]
     st = layer_state(layer)
-    rows = ids.reshape(-1).long()
-    codes, scales = layer.get_parameter("tq_codes"), layer.get_parameter("tq_scales")
-    x = dequantize_codes(codes[rows], scales[rows], layer.get_parameter("tq_codebook")[0],
-                         bits=st.bits, group_size=st.group_size, in_features=st.n_local)
-    if isinstance(st.rotation, torch.Tensor):  # Hadamard signs (create_weights checks)
-        x = hadamard_unrotate(x, st.rotation, st.block)
+    signs = st.rotation if isinstance(st.rotation, torch.Tensor) else None  # Hadamard's
+    x = embedding_rows(ids, layer.get_parameter("tq_codes"), layer.get_parameter("tq_scales"),
+                       layer.get_parameter("tq_codebook")[0], st.bits, st.group_size,
+                       st.n_local, signs, st.block)
     return x.to(dtype).reshape(*ids.shape, dim)
 
 
