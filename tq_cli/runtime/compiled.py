@@ -121,24 +121,19 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 # The tensors converted layers hand to tq's operator, which checks their shapes (and
 # converts their dtypes) on every call, so dynamo need not check them before every step.
-# Not col_scale: its `x * t` is a compiled elementwise kernel, sized when it was traced;
-# nor a head's buffers as its tied TQEmbedding reads them (through its `head`), in a traced
-# gather and inverse rotation.
+# Not col_scale: its `x * t` is a compiled elementwise kernel, sized when it was traced.
 _PACKED = re.compile(r"\._buffers\['(codes|scales|codebook|outlier_idx|outlier_val|"
                      r"signs)'\]$")
-_TRACED_READER = re.compile(r"\.__dict__\['head'\]")
 
 
 def skip_packed_tensor_guards(entries: list[Any]) -> list[bool]:
     """A dynamo guard filter: keep every guard but the tensor checks (shape, dtype, strides)
-    on the packed tensors converted layers pass to tq's operator only (not where a traced
-    kernel reads them too: column scales, a tied head's embedding). A decode step re-checks
+    on the packed tensors converted layers pass to tq's operator. A decode step re-checks
     about 1,050 of those on SmolLM2 (+6% tokens/s without them, 1 thread); the operator
     refuses a packed tensor of the wrong shape itself and converts other dtypes, and every
     guard on the modules (a layer replaced, a hook added, `model.dequantize()`) still
     recompiles."""
-    return [not (e.guard_type == "TENSOR_MATCH" and _PACKED.search(e.name)
-                 and not _TRACED_READER.search(e.name)) for e in entries]
+    return [not (e.guard_type == "TENSOR_MATCH" and _PACKED.search(e.name)) for e in entries]
 
 
 def guard_options() -> dict[str, Any] | None:
