@@ -121,8 +121,9 @@ def test_guards_skipped_only_for_packed_tensor_checks() -> None:
         ("TENSOR_MATCH", f"{layer}._parameters['weight']"),
     ]]
     assert compiled.skip_packed_tensor_guards(entries) == [False] * 4 + [True] * 7
-    options = compiled.guard_options()
-    assert options is None or options["guard_filter_fn"] is compiled.skip_packed_tensor_guards
+    options = compiled.compile_options()
+    assert options.get("guard_filter_fn", compiled.skip_packed_tensor_guards) is (
+        compiled.skip_packed_tensor_guards)
 
 
 def test_cache_buckets() -> None:

@@ -198,69 +198,7 @@ int64_t row_grain(int64_t n, int64_t M) {
 
 constexpr int64_t kBufferBytes = int64_t{8} << 20;  // per GEMM block: stays in L3
 
-#if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl")
-#endif
-// float -> bfloat16 rounded to nearest even, as c10::BFloat16 (a NaN stays a quiet NaN);
-// the loop vectorizes. Only the bf16 GEMM calls it, and every CPU with AVX512-BF16 or AMX
-// has AVX-512 (elsewhere it compiles as plain C++ and is never called).
-void to_bf16(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, sizeof u);
-    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    dst[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
-  }
-}
-#if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC pop_options
-#endif
-
-// bf16: the dequantized block and the rotated activations are rounded to bfloat16 and
-// multiplied by torch's bf16 GEMM (oneDNN on AVX512-BF16 or AMX; scripts/bench_cpu_bf16.py
-// times it against the fp32 GEMM): float32 accumulation, one rounding of the product
-// (plus the bias, when given, as F.linear does for a bf16 model) to bf16. For float32
-// activations that is three roundings of 2^-9 relative each, against a dequantized
-// weight that is already off by 2^-3 or so (docs/decisions.md has the perplexity).
-// Returns whether it added the bias.
-bool gemm_path(const Problem& P, DequantFn dequant, const Layout& L, const Outliers& o,
-               const at::Tensor& xp, const at::Tensor& y, bool bf16, const at::Tensor& bias) {
-  static thread_local at::Tensor buffer, low;  // reused across layers and calls
-  const int64_t out = y.size(1);
-  const int64_t rows = std::clamp<int64_t>(kBufferBytes / (P.K * 4), 1, out);
-  if (!buffer.defined() || buffer.numel() < rows * P.K)
-    buffer = at::empty({rows * P.K}, xp.options());
-  const at::Tensor xl = bf16 ? xp.to(at::kBFloat16) : at::Tensor();
-  if (bf16 && (!low.defined() || low.numel() < rows * P.K))
-    low = at::empty({rows * P.K}, xp.options().dtype(at::kBFloat16));
-  for (int64_t b0 = 0; b0 < out; b0 += rows) {
-    const int64_t b1 = std::min(out, b0 + rows);
-    float* W = buffer.data_ptr<float>();
-    uint16_t* Wl = bf16 ? reinterpret_cast<uint16_t*>(low.data_ptr<at::BFloat16>()) : nullptr;
-    at::parallel_for(b0, b1, 16, [&](int64_t r0, int64_t r1) {
-      dequant(P, W + (r0 - b0) * P.K, P.K, r0, r1);
-      int64_t j = o.first(r0 * P.n);
-      for (int64_t r = r0; r < r1; ++r) {  // outliers go into W, so the GEMM adds them
-        const int64_t base = r * P.n, end = base + P.n;
-        for (; j < o.k && o.idx[j] < end; ++j)
-          W[(r - b0) * P.K + layout_pos(L, o.idx[j] - base)] += o.val[j];
-      }
-      if (Wl != nullptr)  // while these rows are still in cache
-        to_bf16(W + (r0 - b0) * P.K, Wl + (r0 - b0) * P.K, (r1 - r0) * P.K);
-    });
-    at::Tensor w = buffer.narrow(0, 0, (b1 - b0) * P.K).view({b1 - b0, P.K});
-    at::Tensor dst = y.narrow(1, b0, b1 - b0);
-    if (bf16) {
-      at::Tensor wl = low.narrow(0, 0, (b1 - b0) * P.K).view({b1 - b0, P.K});
-      dst.copy_(bias.defined() ? at::addmm(bias.narrow(0, b0, b1 - b0), xl, wl.t())
-                               : at::mm(xl, wl.t()));
-    } else {
-      at::mm_out(dst, xp, w.t());
-    }
-  }
-  return bf16 && bias.defined();
-}
+#include "gemm_path.inc"
 
 // Operands in the dtype and layout the kernels read. For a loaded checkpoint, whose
 // buffers already are, these cost nothing (no dispatcher call), so the Python side passes
@@ -318,71 +256,8 @@ void store(const float* y, at::Tensor& dst) {
   }
 }
 
-// The rotated activations of the last call on this thread, reused when the next call
-// gets the same tensor with the same rotation and layout: q/k/v (and gate/up) read one
-// input, so a Llama block rotates and permutes 4 inputs instead of 7. The entry holds a
-// reference to x and to the signs it used, so neither TensorImpl can be freed and its
-// address reused by another tensor (signs converted per call are a new tensor each
-// time: a miss, never a false hit), and version counters catch in-place writes.
-// Inference tensors (no version counter) and tensors that need gradients are never
-// cached. Buffers above 256 MiB are freed after the call (PrepCache::trim), which bounds
-// what the cache keeps alive.
-struct PrepCache {
-  static constexpr size_t kCacheBytes = size_t{256} << 20;
-  at::Tensor x, signs;  // signs undefined: no rotation
-  int64_t version = -1, signs_version = -1;
-  const void* data = nullptr;  // x's data, shape and dtype too: a `.data =` swap keeps the
-  int64_t rows = 0, cols = 0;  // TensorImpl and version (writes through `.data` or numpy
-  at::ScalarType dtype = at::kFloat;  // into the same storage cannot be seen at all)
-  int64_t block = 0, bits = 0, K = 0;
-  int eisa = -1;
-  std::vector<float> xr, xp, y;  // y: float32 results for bf16/fp16 outputs (not cached)
-  std::vector<float> outliers;   // this call's outlier values as floats (not cached)
-
-  static bool cacheable(const at::Tensor& t) { return !t.is_inference() && !t.requires_grad(); }
-  static int64_t version_of(const at::Tensor& t) { return t.defined() ? t._version() : -1; }
-  bool holds(const at::Tensor& t, const at::Tensor& s, int64_t b, int e, int64_t nbits,
-             int64_t k) const {
-    return x.defined() && cacheable(t) && x.unsafeGetTensorImpl() == t.unsafeGetTensorImpl() &&
-           version == t._version() && data == t.data_ptr() && dtype == t.scalar_type() &&
-           rows * cols == t.numel() && cols == t.size(-1) && signs.defined() == s.defined() &&
-           (!s.defined() || (signs.unsafeGetTensorImpl() == s.unsafeGetTensorImpl() &&
-                             signs_version == version_of(s))) &&
-           block == b && eisa == e && bits == nbits && K == k;
-  }
-  // After a call: buffers above kCacheBytes (a long prefill of a wide layer) are freed
-  // rather than kept for the next call, so the cache never holds more than that.
-  void trim() {
-    if (y.capacity() * sizeof(float) > kCacheBytes) std::vector<float>().swap(y);
-    if (outliers.capacity() * sizeof(float) > kCacheBytes) std::vector<float>().swap(outliers);
-    if ((xr.capacity() + xp.capacity()) * sizeof(float) <= kCacheBytes) return;
-    x = signs = at::Tensor();
-    version = -1;
-    std::vector<float>().swap(xr);
-    std::vector<float>().swap(xp);
-  }
-  void store(const at::Tensor& t, const at::Tensor& s, int64_t b, int e, int64_t nbits,
-             int64_t k) {
-    const bool ok = cacheable(t) && (!s.defined() || cacheable(s));
-    x = ok ? t : at::Tensor();
-    version = ok ? t._version() : -1;
-    signs = ok ? s : at::Tensor();
-    signs_version = ok ? version_of(s) : -1;
-    data = t.data_ptr();
-    dtype = t.scalar_type();
-    cols = t.dim() > 0 ? t.size(-1) : 0;
-    rows = cols > 0 ? t.numel() / cols : 0;
-    block = b;
-    eisa = e;
-    bits = nbits;
-    K = k;
-  }
-};
-
-PrepCache& prep_cache() {
-  static thread_local PrepCache cache;
-  return cache;
-}
+#include "prep_cache.inc"
+#include "layer.inc"
 
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, int64_t block,
                   const at::Tensor& codes_in, const at::Tensor& scales_in,
@@ -390,88 +265,37 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
                   const at::Tensor& outlier_val_in, const std::optional<at::Tensor>& bias,
                   int64_t bits, int64_t group_size, int64_t out_features, int64_t isa,
                   int64_t gemm_min_batch, bool bf16_gemm, bool reuse_input) {
-  TORCH_CHECK(bits >= 1 && bits <= 8, "tq_cpu.linear: bits must be 1-8, got ", bits);
-  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, "tq_cpu.linear: bad group size ",
-              group_size);
   const at::Tensor x2 = activations(x);
-  const int64_t n = x2.size(-1), M = n > 0 ? x2.numel() / n : 0, out = out_features;
-  const int64_t npad = (n + 7) / 8 * 8, groups = (n + group_size - 1) / group_size;
-  const at::Tensor codes = codes_in.contiguous(), scales = as(scales_in, at::kHalf),
-                   codebook = as(codebook_in, at::kFloat),
-                   outlier_idx = as(outlier_idx_in, at::kInt),
-                   outlier_val = as(outlier_val_in, at::kHalf);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(0) == out &&
-                  codes.size(1) == npad * bits / 8,
-              "tq_cpu.linear: codes must be uint8 [", out, ", ", npad * bits / 8, "]");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == out && scales.size(1) == groups,
-              "tq_cpu.linear: scales must be [", out, ", ", groups, "]");
-  TORCH_CHECK(codebook.numel() == (int64_t{1} << bits), "tq_cpu.linear: codebook must have ",
-              int64_t{1} << bits, " levels");
-  const int64_t k = outlier_idx.numel();
-  TORCH_CHECK(outlier_val.numel() == k, "tq_cpu.linear: outlier indices and values differ in "
-              "length");
-  const int32_t* oi = outlier_idx.data_ptr<int32_t>();
-  for (int64_t j = 1; j < k; ++j)
-    TORCH_CHECK(oi[j] > oi[j - 1], "tq_cpu.linear: outlier_idx must be strictly ascending "
-                "(format v1, docs/format.md)");
-  TORCH_CHECK(k == 0 || (oi[0] >= 0 && oi[k - 1] < out * n), "tq_cpu.linear: outlier_idx out "
-              "of range");
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out, "tq_cpu.linear: bias must have ", out, " elements");
-    bias_f = as(*bias, at::kFloat);
-  }
-  at::Tensor signs_c;
-  if (signs.has_value() && signs->defined()) {
-    TORCH_CHECK(signs->numel() == n && block > 0 && (block & (block - 1)) == 0,
-                "tq_cpu.linear: signs must have ", n, " entries and block be a power of two");
-    signs_c = as(*signs, at::kChar);
-  }
-
-  const int eisa = effective_isa(std::min<int64_t>(isa, best_isa()), static_cast<int>(bits),
-                                 group_size);
-  const Layout L = layout_for(eisa, static_cast<int>(bits));
-  const int64_t K = (n + L.chunk - 1) / L.chunk * L.chunk;
+  const Layer l = checked_layer(x2, signs, block, codes_in, scales_in, codebook_in,
+                                outlier_idx_in, outlier_val_in, bias, bits, group_size,
+                                out_features, isa);
+  const int64_t n = l.n, M = n > 0 ? x2.numel() / n : 0, out = l.out;
   const bool gemm = gemm_min_batch > 0 && M >= gemm_min_batch;
-  at::Tensor dst = at::empty(out_shape(x, out), x.options().dtype(
-      x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf ? x.scalar_type()
-                                                                       : at::kFloat));
-  const Kernels kern = kernels_for(eisa, static_cast<int>(bits));
-  const int8_t* sp = signs_c.defined() ? signs_c.data_ptr<int8_t>() : nullptr;
+  at::Tensor dst = result_for(x, out);
   PrepCache& pc = prep_cache();
   // reuse_input false: a compiled graph's buffers are rewritten without a version bump,
   // so an input is never recognised as the last one (which q/k/v share in eager mode).
-  if (!reuse_input || !pc.holds(x, signs_c, block, eisa, bits, K)) {
+  if (!reuse_input || !pc.holds(x, l.signs, block, l.eisa, bits, l.K)) {
     pc.x = at::Tensor();  // invalid until the buffers hold this input
-    const Prep prep{sp, sp != nullptr ? hadamard_blocks(n, block) : decltype(Prep::blocks){},
-                    kern, n, K};
-    prep_all(prep, x2, M, scratch(pc.xr, M * n), scratch(pc.xp, M * K));
-    if (reuse_input) pc.store(x, signs_c, block, eisa, bits, K);
+    prep_layer(l, x2, M, scratch(pc.xr, M * n), scratch(pc.xp, M * l.K));
+    if (reuse_input) pc.store(x, l.signs, block, l.eisa, bits, l.K);
   }
   const float* xr = pc.xr.data();
   float* xp = pc.xp.data();
   float* y = dst.scalar_type() == at::kFloat ? dst.data_ptr<float>() : scratch(pc.y, M * out);
-
-  const Planes pl = planes_for(static_cast<int>(bits));
-  float ab[2];  // 8-bit levels on an exact affine grid decode without a gather (common.h)
-  const bool affine = bits == 8 && affine_levels(codebook.data_ptr<float>(), 256, ab);
-  const Problem P{codes.data_ptr<uint8_t>(), codes.size(1), npad * pl.width[0] / 8,
-                  reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), groups,
-                  codebook.data_ptr<float>(), static_cast<int>(bits), group_size, n, npad, K,
-                  M, xp, y, out, affine ? ab : nullptr};
-  outlier_floats(reinterpret_cast<const uint16_t*>(outlier_val.data_ptr<at::Half>()),
-                 scratch(pc.outliers, k), k);
-  const Outliers o{oi, pc.outliers.data(), k};
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  float ab[2];
+  const Problem P = problem_for(l, M, xp, y, ab);
+  const Outliers o = outliers_for(l, pc.outliers);
+  const float* bp = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
   if (gemm) {
     const auto fopt = x2.options().dtype(at::kFloat);
     const bool bf16 = bf16_gemm && has_bf16_gemm();
     // A bf16 result takes the bias inside the GEMM (one rounding, as F.linear); a float32
     // or fp16 one adds it in float32 after.
-    const at::Tensor bias_l = bf16 && x.scalar_type() == at::kBFloat16 && bias_f.defined()
-                                  ? bias_f.to(at::kBFloat16)
+    const at::Tensor bias_l = bf16 && x.scalar_type() == at::kBFloat16 && l.bias.defined()
+                                  ? l.bias.to(at::kBFloat16)
                                   : at::Tensor();
-    const bool biased = gemm_path(P, kern.dequant, L, o, at::from_blob(xp, {M, K}, fopt),
+    const bool biased = gemm_path(P, l.kern.dequant, l.L, o, at::from_blob(xp, {M, l.K}, fopt),
                                   at::from_blob(y, {M, out}, fopt), bf16, bias_l);
     if (bp != nullptr && !biased)
       at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -480,7 +304,7 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
       });
   } else {
     at::parallel_for(0, out, row_grain(n, M), [&](int64_t r0, int64_t r1) {
-      kern.gemv(P, r0, r1);
+      l.kern.gemv(P, r0, r1);
       epilogue(P, xr, o, bp, r0, r1);
     });
   }
@@ -505,41 +329,7 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, int64_t block) {
   return x.scalar_type() == at::kFloat ? xr : xr.to(x.scalar_type());
 }
 
-// Attention of one query token over a static KV cache whose unmasked positions are a
-// run lo..hi (a prefix, after any left padding): SDPA (grouped heads read in place) over
-// that run only, so a step reads the tokens cached so far, not the cache's whole length.
-// q [B, Hq, 1, D], k and v [B, Hkv, S, D], mask bool [B or 1, 1, 1, S] (true: attend).
-// Masked positions would add exp(-inf) = 0 to every sum, so the result is SDPA's over the
-// whole cache up to the order of float additions.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 &&
-                  mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(1) == 1 &&
-                  mask.size(2) == 1 && mask.size(3) == k.size(2) &&
-                  (mask.size(0) == 1 || mask.size(0) == q.size(0)),
-              "tq_cpu.decode_attention: q [B, H, 1, D], k/v [B, Hkv, S, D] and a bool mask "
-              "[B or 1, 1, 1, S] expected");
-  const at::Tensor m = mask.contiguous();
-  const bool* p = m.data_ptr<bool>();
-  const int64_t S = m.size(3);
-  int64_t lo = S, hi = -1;
-  for (int64_t b = 0; b < m.size(0); ++b)
-    for (int64_t s = 0; s < S; ++s)
-      if (p[b * S + s]) {
-        lo = std::min(lo, s);
-        hi = std::max(hi, s);
-      }
-  if (hi < lo) lo = 0, hi = S - 1;  // nothing unmasked: SDPA's own answer for that
-  const int64_t len = hi - lo + 1;
-  bool whole = hi >= lo;  // every row unmasked over lo..hi: no mask to convert and apply
-  for (int64_t b = 0; b < m.size(0) && whole; ++b)
-    for (int64_t s = lo; s <= hi && whole; ++s) whole = p[b * S + s];
-  const std::optional<at::Tensor> run =
-      whole ? std::nullopt : std::optional<at::Tensor>(m.narrow(3, lo, len));
-  return at::scaled_dot_product_attention(q, k.narrow(2, lo, len), v.narrow(2, lo, len), run,
-                                          0.0, false, scale, /*enable_gqa=*/true)
-      .contiguous();
-}
+#include "decode_attention.inc"
 
 int64_t cpu_isa() { return best_isa(); }
 
