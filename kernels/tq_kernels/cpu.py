@@ -204,7 +204,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      scale: float) -> torch.Tensor:
     """SDPA of one query token [B, Hq, 1, D] over a static cache k/v [B, Hkv, S, D] (grouped
     heads read in place), reading only the run of positions the bool mask [B or 1, 1, 1, S]
-    leaves unmasked; [B, Hq, 1, Dv], contiguous."""
+    leaves unmasked; [B, Hq, 1, Dv], contiguous. float32 heads of a multiple of 16 (up to
+    256) run tq's own AVX-512 loop where the CPU has it (csrc/attention_avx512.h: half the
+    time of SDPA's per-call setup at decode sizes), others torch's SDPA."""
     _require()
     return torch.ops.tq_cpu.decode_attention.default(q, k, v, mask, scale)
 

@@ -215,5 +215,5 @@ def enable_compiled(model: Any) -> bool:
     return True
 
 
-__all__ = ["ATTENTION", "bucket", "decode_attention", "default_on", "enable_compiled",
-           "compile_options", "skip_packed_tensor_guards", "why_not_compiled"]
+__all__ = ["ATTENTION", "bucket", "compile_options", "decode_attention", "default_on",
+           "enable_compiled", "skip_packed_tensor_guards", "why_not_compiled"]

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "avx2.h"
+#include "attention_avx512.h"
 #include "avx512.h"
 #include "common.h"
 #include "scalar.h"
