@@ -13,10 +13,11 @@ llama-cpp-python) on GGUFs of the same fp32 folder: F32 (convert_hf_to_gguf.py),
 Q4_K_M (llama.cpp's quantizer). Per thread count and round each engine runs in a fresh
 subprocess, so its peak RSS (VmHWM) is its own, and the engines alternate, so a burst of
 load from elsewhere does not decide a ratio. After a warm-up each times greedy decode of
---tokens new tokens from the same prompt ids (tokens/s, prompt forward included, EOS
-suppressed as bench_decode.py's min_new_tokens does) and one forward over --prefill tokens
-of the evaluation text; the best of --rounds is kept. Threads: torch.set_num_threads, or
-llama.cpp's n_threads and n_threads_batch; nothing is pinned. Also reported: RSS before
+--tokens new tokens from the same prompt ids (tokens/s, prompt forward included, EOS a
+token like any other: generate() with EOS off, as bench_decode.py's, or a fixed loop) and
+one forward over --prefill tokens of the evaluation text; the best of --rounds is kept.
+Threads: torch.set_num_threads, or llama.cpp's n_threads and n_threads_batch; nothing is
+pinned. Also reported: RSS before
 the model loads (after the engine's imports), weight file sizes (MB here are MiB), tq's
 ratios to each llama.cpp variant, and how many leading greedy ids (of 32) engines share.
 
@@ -108,6 +109,8 @@ def measure(run: Timer, job: dict[str, Any], base: float) -> dict[str, Any]:
 
 
 def torch_worker(job: dict[str, Any]) -> dict[str, Any]:
+    import copy
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -127,7 +130,10 @@ def torch_worker(job: dict[str, Any]) -> dict[str, Any]:
             if not new:  # prefill: one forward
                 model(x, use_cache=False)
                 return len(ids) / (time.perf_counter() - t), []
-            out = model.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            config = copy.deepcopy(model.generation_config)  # exactly `new` tokens, EOS off
+            config.eos_token_id, config.do_sample = None, False
+            config.max_new_tokens, config.min_new_tokens = new, None
+            out = model.generate(x, generation_config=config)
             return new / (time.perf_counter() - t), out[0, len(ids):].tolist()
 
     return measure(run, job, base)
@@ -155,10 +161,9 @@ def llama_worker(job: dict[str, Any]) -> dict[str, Any]:
         llm.reset()  # and eval() then clears the KV cache
         t = time.perf_counter()
         llm.eval(ids)
-        for i in range(new):  # greedy: argmax of the last logits, EOS masked
+        for i in range(new):  # greedy: argmax of the last logits (EOS a token like any other)
             row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
                                         shape=(llm.n_vocab(),))
-            row[job["eos"]] = -np.inf  # as min_new_tokens does in HF generate
             out.append(int(row.argmax()))
             if i + 1 < new:
                 llm.eval(out[-1:])
@@ -309,8 +314,6 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(src)
     prompt = tok(PROMPT).input_ids
     long = tok(evaluation_text().text).input_ids[:args.prefill]
-    eos: Any = json.loads((src / "generation_config.json").read_text()).get("eos_token_id")
-    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
     # A checkpoint that stores its head quantized (tq convert's default) runs it as stored;
     # one that keeps it is also run with the head quantized as it loads.
     stored_head = json.loads((Path(tq_folder) / "config.json").read_text())[
@@ -328,8 +331,7 @@ def main() -> int:
         for _ in range(args.rounds):
             for name, (py, engine, path) in engines.items():
                 res = spawn(py, {"engine": engine, "path": str(path), "threads": threads,
-                                 "tokens": args.tokens, "prompt": prompt, "long": long,
-                                 "eos": eos})
+                                 "tokens": args.tokens, "prompt": prompt, "long": long})
                 b, info = best.setdefault(name, res), res.get("system_info", info)
                 for k in ("decode", "prefill", "rss_mb"):
                     b[k] = max(b[k], res[k])
