@@ -126,6 +126,51 @@ def test_guards_skipped_only_for_packed_tensor_checks() -> None:
         compiled.skip_packed_tensor_guards)
 
 
+def test_repeated_steps_skip_guards_only_between_like_steps() -> None:
+    """Within one generate() call, a step whose inputs look like the last one's (shapes,
+    dtypes, the same cache object) runs with dynamo's guards skipped; the first step and
+    any step whose inputs changed run with every guard."""
+    from torch._dynamo import eval_frame
+
+    skipped: list[bool] = []
+    steps = compiled.RepeatedSteps(
+        lambda **kw: skipped.append(eval_frame._stance.skip_guard_eval_unsafe))
+    cache, other = object(), object()
+    one = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "cache": cache, "use_cache": True}
+    for kwargs in (one, one, one, {**one, "input_ids": torch.zeros(2, 1, dtype=torch.long)},
+                   {**one, "cache": other}, {**one, "cache": other}, {**one, "use_cache": False}):
+        steps(**kwargs)
+    assert skipped == [False, True, True, False, False, True, False]
+    assert not eval_frame._stance.skip_guard_eval_unsafe  # restored after each step
+
+
+def test_a_model_changed_between_calls_is_checked_again(llama_tq: Path) -> None:
+    """Guards skipped between the steps of one generate() call still run on the first
+    step of the next: an lm_head swapped between calls (for one that forces token 7)
+    takes effect, and putting the original back gives the first call's tokens again."""
+
+    class Forced(torch.nn.Module):
+        def __init__(self, head: torch.nn.Module) -> None:
+            super().__init__()
+            self.head = head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.head(x).clone()
+            out[..., 7] = 1e4
+            return out
+
+    model = tq_cli.load(llama_tq, device="cpu", compile=True)
+    head, n = model.lm_head, IDS.shape[1]
+    with torch.no_grad():
+        first = model.generate(IDS, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        model.lm_head = Forced(head)
+        forced = model.generate(IDS, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        model.lm_head = head
+        again = model.generate(IDS, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert (forced[0, n:] == 7).all()
+    assert torch.equal(again, first) and not (first[0, n:] == 7).all()
+
+
 def test_cache_buckets() -> None:
     assert [compiled.bucket(n) for n in (1, 256, 257, 1000, 5000)] == [256, 256, 512, 1024,
                                                                        8192]
