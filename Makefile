@@ -20,7 +20,7 @@ TORCH_INDEX ?=
 DEMO_OUT ?= $(HOME)/.cache/tq/demo/SmolLM2-135M-Instruct-tq4
 CONSTRAINTS ?=
 
-.PHONY: install install-locked lock demo test lint bench bench-quick wheel-check clean vllm-test
+.PHONY: install install-locked lock demo test test-isa lint bench bench-quick wheel-check clean vllm-test
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,22 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The suite again for each narrower instruction set of tq's CPU kernels this CPU runs
+# (avx2, then scalar: plain x86-64), TQ_CPU_ISA capping tq's kernels and the variables below
+# capping torch's own (ATen's vectorised kernels, oneDNN, MKL), so a machine with AVX-512
+# runs what an AVX2 laptop or an old x86-64 box runs, the references' sums included.
+ISA_ENV_avx2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ISA_ENV_scalar := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
+
+test-isa: install
+	@isas=$$($(PY) -m tq_kernels.isas --narrower) || exit 1; \
+	if [ -z "$$isas" ]; then echo "test-isa: no narrower instruction set on this CPU"; fi; \
+	for isa in $$isas; do \
+		case $$isa in avx2) e="$(ISA_ENV_avx2)";; *) e="$(ISA_ENV_scalar)";; esac; \
+		echo "== test-isa: TQ_CPU_ISA=$$isa $$e"; \
+		env TQ_CPU_ISA=$$isa $$e $(PY) -m pytest -q -p no:cacheprovider || exit 1; \
+	done
 
 lint: install
 	$(VENV)/bin/ruff check tq_cli kernels tests scripts

@@ -24,6 +24,7 @@ from pathlib import Path
 from tq_cli.bench.conversion import QUICK_MODEL, convert_in_child, copy_seconds
 from tq_cli.bench.synthetic_llama import LLAMA_3_2_1B, write_synthetic_llama
 from tq_cli.device import resolve_device
+from tq_kernels import isas
 
 SYNTHETIC = {"llama-3.2-1b": LLAMA_3_2_1B, "quick": QUICK_MODEL}
 
@@ -85,7 +86,7 @@ def main() -> int:
            "peak_rss_mb": round(rss / 1e6, 1),
            "bits_per_weight": round(summary["bits_per_weight"], 4),
            "mean_rel_error": summary["mean_rel_error"], "cpu_count": os.cpu_count(),
-           "native_fit": os.environ.get("TQ_FIT") or "default"}
+           "native_fit": os.environ.get("TQ_FIT") or "default", **isas.describe()}
     print(json.dumps(row, indent=2))
     if args.json:
         args.json.write_text(json.dumps(row, indent=2))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tq_cli.quant.grouped import quantize
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec
-from tq_kernels import cpu
+from tq_kernels import cpu, isas
 
 SHAPES = ((1536, 576), (576, 1536), (4096, 4096))
 
@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    print(f"tq CPU kernels: {isas.describe()}")
     print(f"{'shape':>10} {'rows':>5} {'tq bf16':>8} {'tq f32/b':>8} {'tq f32/f':>8} "
           f"{'fp32 F.lin':>10} {'bf16 F.lin':>10} {'bf16/bf16':>9} {'f32b/fp32':>9} "
           f"{'f32f/fp32':>9} {'fp32/bf16':>9}  (ms; ratios of times)")

@@ -23,7 +23,7 @@ import torch
 from tq_cli.bench.kernels import GROUP, LLAMA3_8B, SMOLLM2, _operands, time_us
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import RotationSpec
-from tq_kernels import cpu
+from tq_kernels import cpu, isas
 
 
 def _shape(bits: int, out_f: int, in_f: int, batches: list[int], gen: torch.Generator,
@@ -64,7 +64,8 @@ def main() -> int:
             _shape(bits, out_f, in_f, batches, gen, rows)
     if args.json:
         args.json.write_text(json.dumps({"threads": torch.get_num_threads(),
-                                         "isa": cpu.kernel_isa(4, GROUP), "rows": rows},
+                                         "isa": cpu.kernel_isa(4, GROUP), **isas.describe(),
+                                         "rows": rows},
                                         indent=2))
     return 0
 

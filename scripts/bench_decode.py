@@ -40,7 +40,7 @@ from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.demo_model import smollm2_folder
 from tq_cli.io.text import evaluation_text
 from tq_cli.quant.spec import QuantSpec
-from tq_kernels import cpu
+from tq_kernels import cpu, isas
 
 
 def exactly(model: Any, tokens: int) -> Any:
@@ -181,7 +181,7 @@ def main() -> int:
         "tq_bytes": rep["tq_bytes"], "packed_bytes": rep["packed_bytes"],
         "rotation_bytes": rep["rotation_bytes"], "fp16_bytes_same_layers": rep["fp16_bytes"],
         "memory_ratio_tq_over_fp16": round(rep["tq_bytes"] / rep["fp16_bytes"], 4),
-        "tq_text": tok.decode(out[0, n:]),
+        "tq_text": tok.decode(out[0, n:]), **isas.describe(),
     }
     print(json.dumps(row, indent=2))
     if args.json:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from tq_cli.bench.metrics import cpu_copy_bandwidth_gb_s
-from tq_kernels import kv, kv_reference
+from tq_kernels import isas, kv, kv_reference
 from tq_kernels.packing import pack_codes, packed_row_bytes, unpack_codes
 
 H, G, D, KEY_BITS, VALUE_BITS = 3, 3, 64, 4, 3
@@ -171,10 +171,10 @@ def main() -> None:
                 row["copy_bytes_per_s"] = copy_bw
                 rows.append(row)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({**isas.describe(), "rows": rows}, indent=1))
         return
     print(f"B=1 H={H} G={G} d={D}, keys {KEY_BITS}-bit, values {VALUE_BITS}-bit; "
-          f"native backend: {kv.backend_for('cpu')}")
+          f"native backend: {kv.backend_for('cpu')} ({isas.cpu_model()})")
     print(f"{'T':>6} {'thr':>3} {'method':<10} {'us/call':>10} {'min us':>10} {'MB read':>8} "
           f"{'GB/s':>7} {'of copy':>8}  {'copy GB/s':>9}")
     for r in rows:

@@ -366,7 +366,11 @@ def main() -> int:
               "prefill_tokens": len(long), "rounds": args.rounds, "cpu_count": os.cpu_count(),
               "lead_compared": min(LEAD, args.tokens), "runs": runs,
               "llama_cpp_system_info": info}
+    from tq_kernels import isas  # what tq's side ran on, beside llama.cpp's system info
+
+    report["tq_cpu_kernels"] = isas.describe()
     print(f"\nllama.cpp: {report['llama_cpp_system_info']}")
+    print(f"tq: {report['tq_cpu_kernels']}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

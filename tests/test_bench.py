@@ -46,6 +46,7 @@ def test_quick_run_has_every_section(quick_result: dict[str, Any]) -> None:
     assert {"triton", "cuda", "cpu_count", "device_name"} <= set(env)
     if cpu_kernel.available():
         assert env["cpu_gemm"] == cpu_kernel.gemm_precision()
+        assert env["cpu_isa"] == cpu_kernel.active_isa()
     conv = quick_result["sections"]["conversion"][0]
     assert conv["convert_over_copy"] == pytest.approx(
         (conv["convert_s"] - conv["check_s"]) / conv["copy_s"])
@@ -117,6 +118,23 @@ def test_kernel_timings_compare_only_like_gemm_products() -> None:
     for gemm in ("bf16", None):  # the same products, or a run that did not record them
         c = compare(cur, "cpu", base, 0.01, 0.5, current_cpu_gemm=gemm)
         assert [r.name for r in c.regressions] == ["kernels.cpu.x"]
+
+
+def test_cpu_speeds_compare_only_like_instruction_sets() -> None:
+    base = {"environment": {"device_type": "cpu", "cpu_isa": "avx512"}, "metrics": {
+        "kernels.cpu.x": {"value": 1.0, "kind": "speed"},
+        "convert.cpu.y": {"value": 1.0, "kind": "speed"},
+        "convert.cpu.m": {"value": 1.0, "kind": "memory"},
+        "q": {"value": 1.0, "kind": "quality"}}}
+    cur = {"kernels.cpu.x": Metric(9.0, "speed"), "convert.cpu.y": Metric(9.0, "speed"),
+           "convert.cpu.m": Metric(1.0, "memory"), "q": Metric(1.0, "quality")}
+    c = compare(cur, "cpu", base, 0.01, 0.5, current_cpu_isa="avx2")
+    assert c.compared == 2 and not c.regressions
+    assert c.skipped == ["convert.cpu.y: baseline ran tq's avx512 CPU kernels, this run avx2",
+                         "kernels.cpu.x: baseline ran tq's avx512 CPU kernels, this run avx2"]
+    for isa in ("avx512", None):  # the same instruction set, or a run that did not record it
+        c = compare(cur, "cpu", base, 0.01, 0.5, current_cpu_isa=isa)
+        assert [r.name for r in c.regressions] == ["convert.cpu.y", "kernels.cpu.x"]
 
 
 def test_quality_matrices_are_fixed_and_heavy_tailed() -> None:

@@ -314,7 +314,7 @@ def test_large_inputs_are_not_kept() -> None:
 
 
 def test_kernel_isa_follows_group_size() -> None:
-    best = cpu.cpu_isa()
+    best = cpu.active_isa()
     assert cpu.kernel_isa(4, 128) == best
     assert cpu.kernel_isa(5, 128) == "scalar"  # no SIMD path for 5-bit codes
     assert cpu.kernel_isa(4, 8) == "scalar"
@@ -483,3 +483,31 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatc
         monkeypatch.undo()
         cpu._built.cache_clear()
     assert cpu.available()
+
+
+_CAPPED = """
+import torch
+from tq_kernels import cpu, fit, kv
+q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
+m = torch.ones(1, 1, 1, 9, dtype=torch.bool)
+sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
+same = torch.equal(cpu.decode_attention(q, k, v, m, 0.125), sdpa)
+print(cpu.active_isa(), fit.active_isa(), kv.active_isa(), cpu.native_bf16_gemm(), same)
+"""
+
+
+@pytest.mark.parametrize(("cap", "isa"), [("avx2", "avx2"), ("portable", "scalar"),
+                                          ("scalar", "scalar")])
+def test_tq_cpu_isa_makes_a_narrower_cpu(cap: str, isa: str) -> None:
+    """TQ_CPU_ISA runs what a CPU of that width runs, in every library and in the operators
+    that pick a variant themselves: decode attention takes SDPA (bit for bit) instead of the
+    AVX-512 loop, and no bf16 GEMM products (a CPU without AVX-512 has none)."""
+    import os
+    import subprocess
+    import sys
+
+    _runs(isa)
+    env = {**os.environ, "TQ_CPU_ISA": cap}
+    out = subprocess.run([sys.executable, "-c", _CAPPED], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == [isa, isa, isa, "False", "True"]

@@ -153,7 +153,7 @@ def test_negative_scales_count_by_magnitude() -> None:
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     _runs("scalar")
-    assert kv.backend_for("cpu") == f"cpu-{kv.cpu_isa()}"
+    assert kv.backend_for("cpu") == f"cpu-{kv.active_isa()}"
     case = Case(5, 40, 2, 1, 9)
     _close(*case.score(None), "score")
     _close(*case.accumulate(None), "accumulate")

@@ -34,22 +34,45 @@ def _runs(isa: str) -> None:
 
 
 def _both(w: torch.Tensor, spec: QuantSpec, monkeypatch: pytest.MonkeyPatch,
-          ) -> tuple[quantizer.QuantizedTensor, quantizer.QuantizedTensor]:
+          isa: str | None = None) -> tuple[quantizer.QuantizedTensor, quantizer.QuantizedTensor]:
+    """The torch fit and the native one (the variant `isa`, else the widest this CPU runs)."""
     rot = Rotation("none", w.shape[1], spec.group_size, 0)
     monkeypatch.setenv("TQ_FIT", "torch")
     ref = quantize_rotated(w, spec, rot)
     monkeypatch.delenv("TQ_FIT")
+    if isa is not None:
+        _runs(isa)
+        monkeypatch.setattr(fit, "_cap", lambda: fit.ISAS.index(isa))
     return ref, quantize_rotated(w, spec, rot)
 
 
+def _codebooks_agree(got: quantizer.QuantizedTensor, ref: quantizer.QuantizedTensor) -> None:
+    """The same codebook up to summation order, and up to what a value sitting on a
+    midpoint does. The codebook update sums each level's values in float64 in torch and per
+    group in float32 natively, so levels can differ by an ulp; a scaled value within an ulp
+    of a midpoint then takes the neighbouring level, and the next k-means update moves
+    those two levels by about their gap over the values they hold (1/30 of it at 8 bits on
+    a 40x200 tensor). Any variant can meet such a tie (AVX2 and scalar do on (40, 200) at
+    8 bits, AVX-512 does not): allow two levels per differing code byte, each within a
+    tenth of its gap to the nearest neighbour; every other level within float32 noise."""
+    cb, rb = got.codebook, ref.codebook
+    loose = ~torch.isclose(cb, rb, rtol=1e-4, atol=1e-5)
+    flips = int((got.codes != ref.codes).sum())
+    assert int(loose.sum()) <= 2 * flips, (int(loose.sum()), flips)
+    gaps = rb.diff()
+    gap = torch.minimum(torch.cat([gaps[:1], gaps]), torch.cat([gaps, gaps[-1:]]))
+    assert bool(((cb - rb).abs() <= 0.1 * gap + 1e-5).all())
+
+
+@pytest.mark.parametrize("isa", fit.ISAS)
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize(("shape", "group"), [((96, 576), 128), ((40, 200), 64),
                                               ((33, 104), 24), ((7, 8), 8)])
-def test_native_fit_matches_torch(bits: int, shape: tuple[int, int], group: int,
+def test_native_fit_matches_torch(bits: int, shape: tuple[int, int], group: int, isa: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     w = matrix("heavy", shape, seed=bits)
     spec = QuantSpec(bits=bits, group_size=group)
-    ref, got = _both(w, spec, monkeypatch)
+    ref, got = _both(w, spec, monkeypatch, isa)
     assert got.codes.shape == ref.codes.shape and got.codes.dtype == torch.uint8
     assert got.scales.dtype == torch.float16 and got.outlier_val.dtype == torch.float16
     assert got.rel_error == pytest.approx(ref.rel_error, rel=2e-3, abs=1e-9)
@@ -57,7 +80,7 @@ def test_native_fit_matches_torch(bits: int, shape: tuple[int, int], group: int,
     # on a midpoint to the neighbouring level; nothing more
     assert float((got.codes == ref.codes).float().mean()) > 0.99
     assert torch.allclose(got.scales.float(), ref.scales.float(), rtol=2e-3, atol=1e-6)
-    assert torch.allclose(got.codebook, ref.codebook, rtol=1e-4, atol=1e-5)
+    _codebooks_agree(got, ref)
     same = torch.isin(got.outlier_idx, ref.outlier_idx).float().mean() if ref.outlier_idx.numel() \
         else torch.tensor(1.0)
     assert float(same) > 0.95

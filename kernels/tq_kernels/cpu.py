@@ -48,6 +48,9 @@ def _built() -> cpu_build.Built:
                       "reference on CPU (backend 'torch', several times slower)",
                       RuntimeWarning, stacklevel=4)
     else:
+        # TQ_CPU_ISA's cap for the operators that pick a variant themselves (rotate,
+        # decode attention, outlier values); _cap() applies it to the rest, and warns
+        torch.ops.tq_cpu.set_isa_cap(cpu_build.capped(int(torch.ops.tq_cpu.cpu_isa())))
         try:
             _register_fakes()
         except (AttributeError, RuntimeError) as e:  # torch without register_fake (< 2.4)
@@ -104,6 +107,7 @@ def _cap() -> int:
     return cpu_build.capped(int(torch.ops.tq_cpu.cpu_isa()), warn=True)
 
 
+
 _requested: str | None = None  # set_gemm_precision(); None: TQ_CPU_GEMM, else bf16
 
 
@@ -122,7 +126,8 @@ def _gemm_bf16() -> bool:
 
 
 def native_bf16_gemm() -> bool:
-    """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX), which bf16 needs."""
+    """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX), which bf16 needs, and
+    TQ_CPU_ISA does not cap the kernel below avx512 (a CPU without AVX-512 has neither)."""
     _require()
     return bool(torch.ops.tq_cpu.bf16_gemm())
 
@@ -152,6 +157,11 @@ def cpu_isa() -> str:
     """The widest variant this CPU runs (ignoring TQ_CPU_ISA)."""
     _require()
     return ISAS[int(torch.ops.tq_cpu.cpu_isa())]
+
+
+def active_isa() -> str:
+    """The variant that runs: cpu_isa() capped by TQ_CPU_ISA."""
+    return ISAS[_cap()]
 
 
 def kernel_isa(bits: int, group_size: int, isa: str | None = None) -> str:

@@ -44,18 +44,26 @@ _lock = threading.Lock()
 # The SIMD variants every library has, narrowest first; `capped` and `isa_index` are how
 # each library's wrapper applies TQ_CPU_ISA and a test's isa= argument.
 ISAS = ("scalar", "avx2", "avx512")
+# "portable" is what the scalar variant is: plain x86-64 (or any other machine's) code.
+_ALIASES = {"portable": "scalar"}
 
 
 def capped(best: int, warn: bool = False) -> int:
-    """The widest variant to run: `best` (what the CPU has), capped by TQ_CPU_ISA."""
+    """The widest variant to run: `best` (what the CPU has), capped by TQ_CPU_ISA.
+
+    The cap makes this machine run the code a narrower CPU runs (`make test-isa` does so
+    for each variant below the widest), so it also turns off what such a CPU lacks beside
+    the variant itself: bf16 GEMM products below avx512 (`cpu.native_bf16_gemm`)."""
     want = os.environ.get("TQ_CPU_ISA", "").strip().lower()
+    want = _ALIASES.get(want, want)
     if not want:
         return best
     if want not in ISAS:
         if warn:
             import warnings
 
-            warnings.warn(f"tq: TQ_CPU_ISA={want!r} is not one of {', '.join(ISAS)}; "
+            warnings.warn(f"tq: TQ_CPU_ISA={want!r} is not one of {', '.join(ISAS)} "
+                          "(or portable, the same as scalar); "
                           "ignored", RuntimeWarning, stacklevel=4)
         return best
     return min(best, ISAS.index(want))
@@ -65,6 +73,7 @@ def isa_index(isa: str | None, cap: int) -> int:
     """The variant a call runs: `cap` by default, or the named one (tests run each)."""
     if isa is None:
         return cap
+    isa = _ALIASES.get(isa, isa)
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
     return ISAS.index(isa)

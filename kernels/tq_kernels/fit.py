@@ -114,6 +114,11 @@ def cpu_isa() -> str:
     return ISAS[int(torch.ops.tq_fit.isa())]
 
 
+def active_isa() -> str:
+    """The variant that runs: cpu_isa() capped by TQ_CPU_ISA."""
+    return ISAS[_cap()]
+
+
 def set_threads(threads: int) -> None:
     """Threads the calling thread's fit calls use from now on (0: torch's intra-op count).
     One thread runs without any parallel region."""

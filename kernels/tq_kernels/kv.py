@@ -65,6 +65,11 @@ def cpu_isa() -> str:
     return ISAS[int(torch.ops.tq_kv.isa())]
 
 
+def active_isa() -> str:
+    """The variant that runs: cpu_isa() capped by TQ_CPU_ISA."""
+    return ISAS[_cap()]
+
+
 def isas() -> tuple[str, ...]:
     """Every variant this CPU runs, narrowest first (what tests compare)."""
     return ISAS[:ISAS.index(cpu_isa()) + 1]

@@ -38,6 +38,7 @@ class _BaselineEnv(BaseModel):
     model_config = ConfigDict(extra="allow")
     device_type: str
     cpu_gemm: str | None = None  # the CPU kernel's GEMM products; None: not recorded
+    cpu_isa: str | None = None  # the CPU kernels' instruction set; None: not recorded
 
 
 class BaselineDoc(BaseModel):
@@ -105,18 +106,22 @@ def check_baseline(baseline: Any, name: str = "baseline") -> BaselineDoc:
 
 def compare(current: dict[str, Metric], current_device: str, baseline: dict[str, Any],
             max_regression: float, max_slowdown: float,
-            current_cpu_gemm: str | None = None) -> Comparison:
+            current_cpu_gemm: str | None = None,
+            current_cpu_isa: str | None = None) -> Comparison:
     """Gate `current` against a baseline result (the JSON `tq bench --json` writes).
 
     Quality metrics use `max_regression`; speed and memory use `max_slowdown` and are
-    only compared when the baseline ran on the same kind of device (cpu vs cuda), and
-    kernel timings only when both ran the same CPU GEMM products (bf16 products are
-    about twice as fast as float32 ones, so the two are different baselines).
+    only compared when the baseline ran on the same kind of device (cpu vs cuda), CPU
+    speeds only when both ran the same instruction set of tq's CPU kernels (an AVX2
+    machine's ratios are not an AVX-512 machine's), and kernel timings only when both ran
+    the same CPU GEMM products (bf16 products are about twice as fast as float32 ones, so
+    the two are different baselines).
     """
     doc = check_baseline(baseline)
     base_metrics = {k: m.model_dump() for k, m in doc.metrics.items()}
     base_device = doc.environment.device_type
     base_gemm = doc.environment.cpu_gemm
+    base_isa = doc.environment.cpu_isa
     skipped: list[str] = []
     regressions: list[Regression] = []
     compared = 0
@@ -130,6 +135,11 @@ def compare(current: dict[str, Metric], current_device: str, baseline: dict[str,
         if cur.kind != "quality" and base_device != current_device:
             skipped.append(f"{name}: baseline ran on {base_device}, this run on "
                            f"{current_device}")
+            continue
+        if (cur.kind == "speed" and current_device == "cpu" and base_isa and current_cpu_isa
+                and base_isa != current_cpu_isa):
+            skipped.append(f"{name}: baseline ran tq's {base_isa} CPU kernels, this run "
+                           f"{current_cpu_isa}")
             continue
         if (cur.kind == "speed" and name.startswith("kernels.") and base_gemm
                 and current_cpu_gemm and base_gemm != current_cpu_gemm):
@@ -164,6 +174,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         pass
     if device.type == "cpu" and cpu_kernel.available():
         env["cpu_gemm"] = cpu_kernel.gemm_precision()
+        env["cpu_isa"] = cpu_kernel.active_isa()  # what ran: the CPU's widest, or TQ_CPU_ISA
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env["device_name"] = props.name

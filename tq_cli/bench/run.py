@@ -61,7 +61,8 @@ class BenchResult:
     def gate(self, baseline: dict[str, Any], max_regression: float,
              max_slowdown: float) -> Comparison:
         self.comparison = compare(self.metrics, self.spec.device.type, baseline,
-                                  max_regression, max_slowdown, self.env.get("cpu_gemm"))
+                                  max_regression, max_slowdown, self.env.get("cpu_gemm"),
+                                  self.env.get("cpu_isa"))
         return self.comparison
 
 

@@ -109,7 +109,9 @@ def print_tables(result: dict[str, Any]) -> None:
                             "fastest of up to 50 runs; same random routing on all three"))
     env = result["environment"]
     stdout.print(f"{result['mode']} run in {result['seconds']:.1f} s on {env['device_name']} "
-                 f"({env['device_type']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
+                 f"({env['device_type']}, {env['cpu_count']} CPUs"
+                 f"{', tq CPU kernels ' + env['cpu_isa'] if env.get('cpu_isa') else ''}, "
+                 f"torch {env['torch']}, "
                  f"triton {env['triton']}, CUDA {env['cuda']})", highlight=False)
 
 

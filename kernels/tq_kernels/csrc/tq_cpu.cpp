@@ -24,6 +24,7 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -55,6 +56,13 @@ int best_isa() {
   return kScalar;
 }
 
+// The widest variant this process may run: best_isa() capped by TQ_CPU_ISA, which
+// tq_kernels.cpu sets once when it loads the library (set_isa_cap). The paths that pick a
+// variant without an isa argument (rotate, outlier values, decode attention) read it, so
+// a capped process runs exactly what a CPU of that width runs.
+std::atomic<int> isa_cap{kAvx512};
+int run_isa() { return std::min(best_isa(), isa_cap.load(std::memory_order_relaxed)); }
+
 // A bf16 GEMM that beats the fp32 one needs AVX512-BF16 or AMX; elsewhere torch's bf16
 // GEMM widens its operands itself and bf16 inputs keep the fp32 path.
 bool has_bf16_gemm() {
@@ -72,6 +80,10 @@ bool has_bf16_gemm() {
   }();
   return yes;
 }
+
+// A CPU without AVX-512 has no bf16 dot products either, so a process capped below it
+// (TQ_CPU_ISA) multiplies in float32 too.
+bool bf16_products() { return has_bf16_gemm() && run_isa() >= kAvx512; }
 
 using RowsFn = void (*)(const Problem&, int64_t, int64_t);
 using DequantFn = void (*)(const Problem&, float*, int64_t, int64_t, int64_t);
@@ -186,7 +198,7 @@ void epilogue(const Problem& P, const float* xr, const Outliers& o, const float*
 // few thousand per layer).
 void outlier_floats(const uint16_t* h, float* f, int64_t k) {
 #if defined(__x86_64__) || defined(_M_X64)
-  if (best_isa() >= kAvx2) return avx2::halves_to_floats(h, f, k);
+  if (run_isa() >= kAvx2) return avx2::halves_to_floats(h, f, k);
 #endif
   for (int64_t i = 0; i < k; ++i) f[i] = half_to_float(h[i]);
 }
@@ -290,7 +302,7 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   const float* bp = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
   if (gemm) {
     const auto fopt = x2.options().dtype(at::kFloat);
-    const bool bf16 = bf16_gemm && has_bf16_gemm();
+    const bool bf16 = bf16_gemm && bf16_products();
     // A bf16 result takes the bias inside the GEMM (one rounding, as F.linear); a float32
     // or fp16 one adds it in float32 after.
     const at::Tensor bias_l = bf16 && x.scalar_type() == at::kBFloat16 && l.bias.defined()
@@ -323,7 +335,7 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, int64_t block) {
   const at::Tensor sc = as(signs, at::kChar);
   // Any width gives the variant's FWHT; the layout is the identity (8-bit), so K = n.
   const Prep prep{sc.data_ptr<int8_t>(), hadamard_blocks(n, block),
-                  kernels_for(effective_isa(best_isa(), 8, 16), 8), n, n};
+                  kernels_for(effective_isa(run_isa(), 8, 16), 8), n, n};
   at::Tensor xr = at::empty(x.sizes(), x2.options().dtype(at::kFloat));
   std::vector<float> unused(M * n);
   prep_all(prep, x2, M, xr.data_ptr<float>(), unused.data());
@@ -334,7 +346,9 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, int64_t block) {
 
 int64_t cpu_isa() { return best_isa(); }
 
-bool bf16_gemm() { return has_bf16_gemm(); }
+void set_isa_cap(int64_t isa) { isa_cap.store(static_cast<int>(isa), std::memory_order_relaxed); }
+
+bool bf16_gemm() { return bf16_products(); }
 
 int64_t kernel_isa(int64_t isa, int64_t bits, int64_t group_size) {
   return effective_isa(std::min<int64_t>(isa, best_isa()), static_cast<int>(bits), group_size);
@@ -354,6 +368,7 @@ TORCH_LIBRARY(tq_cpu, m) {
   m.def("rotate(Tensor x, Tensor signs, int block) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("cpu_isa() -> int", &tqcpu::cpu_isa);
+  m.def("set_isa_cap(int isa) -> ()", &tqcpu::set_isa_cap);
   m.def("bf16_gemm() -> bool", &tqcpu::bf16_gemm);
   m.def("kernel_isa(int isa, int bits, int group_size) -> int", &tqcpu::kernel_isa);
 }
