@@ -43,7 +43,9 @@ def test_calibrated_convert_beats_data_free(tiny_llama: Path, calib_file: Path,
     for t in m["tensors"]:
         if t["action"] == "quantize" and t["name"] != "lm_head.weight":
             assert t["calibrated"] is True
-            assert t["weighted_rel_error"] == pytest.approx(e_cal[t["name"]], rel=1e-6)
+            # the manifest's figure comes from the fit's float32 products (rotated basis),
+            # this one from float64 ones in the original basis
+            assert t["weighted_rel_error"] == pytest.approx(e_cal[t["name"]], rel=1e-4)
     better = sum(e_cal[n] < e_free[n] for n in e_cal)
     assert better == len(e_cal), {n: (e_free[n], e_cal[n]) for n in e_cal}
     total_free, total_cal = sum(e_free.values()), sum(e_cal.values())

@@ -86,7 +86,7 @@ class _Hessians:
         self.h = h
 
     def hessian(self, tensor_name: str) -> torch.Tensor | None:
-        return self.h
+        return self.h.clone()  # the caller's own copy, as the protocol says
 
     def unusable(self, tensor_name: str) -> str | None:
         return None

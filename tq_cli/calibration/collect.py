@@ -8,8 +8,8 @@ receives are caught, and then each block is materialised from the shards, runs e
 calibration sequence, hands its outputs on as the next block's inputs, and goes back
 to meta. Memory is one block plus the activations of the calibration set.
 
-Each converted linear layer's input feeds a float64 accumulator (per-batch x^T x in
-float32, added in float64); layers that read the same input (the recipe's
+Each converted linear layer's input feeds a float32 accumulator (per-batch x^T x added
+by the GEMM itself); layers that read the same input (the recipe's
 `input_groups`: q/k/v, gate/up) share one. The result is ONE safetensors file:
 `hessian.<group>` (float32 mean E[x x^T]) and `tokens.<group>` (int64 count), and
 JSON in the `tq_calibration` metadata key (docs/format.md). `tq convert --calib` and
@@ -199,7 +199,7 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
         "format": "tq-calibration", "tq_version": __version__,
         "statistic": "hessian.<group> = mean over tokens of x x^T (float32); "
                      "sum = mean * tokens.<group>",
-        "accumulation": "float64 sum of per-batch float32 x^T x",
+        "accumulation": "float32 sum of per-batch float32 x^T x (addmm)",
         "source": {"fingerprint": src.fingerprint, "name": folder.name, "path": str(folder)},
         "text": {"source": text.source, "sha256": text.sha256},
         "samples": int(seqs.shape[0]), "samples_requested": spec.samples,
@@ -215,7 +215,7 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
     with CalibrationWriter(out_path, {g.key: g.n for g in groups}, meta) as writer:
         def flush(g: InputGroup) -> None:
             g.check(recipe)
-            h = g.h if g.h is not None else torch.zeros(g.n, g.n, dtype=torch.float64)
+            h = g.h if g.h is not None else torch.zeros(g.n, g.n, dtype=torch.float32)
             writer.write(g.key, h, g.tokens)
             g.h = g.last = None
             if g.tokens == 0:

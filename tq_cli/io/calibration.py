@@ -45,6 +45,7 @@ class Calibration:
     meta: dict[str, Any]
     entries: dict[str, TensorInfo]
     _cache: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _served: set[str] = field(default_factory=set, repr=False)  # readers of the cached group
 
     @property
     def tensors(self) -> dict[str, str]:
@@ -61,16 +62,27 @@ class Calibration:
         return 0 if key is None else int(read_tensor(self.entries[f"tokens.{key}"]))
 
     def hessian(self, tensor_name: str) -> torch.Tensor | None:
-        """E[x x^T] over the calibration tokens, float64 [in, in]: the MEAN, not the sum
-        (times `tokens()` gives the sum). None when the tensor has no calibration."""
+        """E[x x^T] over the calibration tokens, float32 [in, in] as stored: the MEAN, not
+        the sum (times `tokens()` gives the sum); a copy the caller owns. None when the
+        tensor has no calibration."""
         key = self.meta["tensors"].get(tensor_name)
         if key is None or self.tokens(tensor_name) == 0:
             return None
         if key not in self._cache:
             self._cache.clear()  # q, k, v ask in a row: keep only the last group
+            self._served = set()
             h = read_tensor(self.entries[f"hessian.{key}"])
             self._check(key, tensor_name, h)
-            self._cache[key] = h.to(torch.float64)
+            self._cache[key] = h.to(torch.float32)
+        self._served.add(tensor_name)
+        groups = self.meta.get("groups")
+        members = groups.get(key) if isinstance(groups, dict) else None
+        if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+            members = [tensor_name]  # no usable group list: this reader is the last one
+        if self._served.issuperset(members):
+            # the group's last reader takes the cached copy itself: no second n x n (a
+            # later ask reads the file again)
+            return self._cache.pop(key)
         return self._cache[key].clone()
 
     def _check(self, key: str, tensor_name: str, h: torch.Tensor) -> None:
@@ -226,7 +238,7 @@ class CalibrationWriter:
 
     def write(self, key: str, h_sum: torch.Tensor, tokens: int) -> None:
         """Store the mean h_sum / tokens as float32 and the count (zeros when no tokens)."""
-        mean = (h_sum.double() / max(tokens, 1)).float().cpu()
+        mean = (h_sum.float() / max(tokens, 1)).cpu()  # one float32 n x n beside the sum
         self._pwrite(tensor_bytes(mean), self.layout.slots[f"hessian.{key}"].offset)
         self._pwrite(tokens.to_bytes(8, "little", signed=True),
                      self.layout.slots[f"tokens.{key}"].offset)

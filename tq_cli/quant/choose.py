@@ -14,18 +14,16 @@ from typing import Any, Protocol
 
 import torch
 
-from tq_cli.quant.colscale import scale_hessian
+from tq_cli.quant.colscale import scale_hessian_
 from tq_cli.quant.gptq import (
     CalibrationUnusableError,
     PreparedHessian,
+    fit_calibrated,
     prepare_hessian,
-    quantize_calibrated,
-    rotate_hessian,
-    weighted_errors,
+    rotate_hessian_,
 )
 from tq_cli.quant.grouped import (
     QuantizedTensor,
-    dequantize_rotated,
     quantize_rotated,
     with_col_scale,
 )
@@ -37,7 +35,8 @@ class Hessians(Protocol):
     """Where the input statistics come from (a calibration file: tq_cli.io.calibration)."""
 
     def hessian(self, tensor_name: str) -> torch.Tensor | None:
-        """E[x x^T] of the tensor's input, or None when it saw no calibration tokens."""
+        """E[x x^T] of the tensor's input, or None when it saw no calibration tokens: a
+        float32 (or float64) copy the caller owns (the fit transforms it in place)."""
 
     def unusable(self, tensor_name: str) -> str | None:
         """Why its statistics are too thin to fit with (an expert routed few tokens)."""
@@ -85,12 +84,12 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
     if h is not None and reason is None:
         try:
             prepared = _prepared(name, h, rotation, device, calib, col_scale)
-            q = quantize_calibrated(w_rot, prepared, spec, rotation, damp=calib.damp,
+            fitted = fit_calibrated(w_rot, prepared, spec, rotation, damp=calib.damp,
                                     act_order=calib.act_order, device=device)
+            del prepared  # a column-scaled tensor's H' is its own: gone with this tensor
             # tr(dW' H' dW'^T) = tr(dW H dW^T): the weighted error needs no correction.
-            werr, rel = weighted_errors(w_rot, dequantize_rotated(q), prepared.h)
-            rec = {"calibrated": True, "weighted_rel_error": rel}
-            return TensorResult(done(q), rec, werr, None)
+            rec = {"calibrated": True, "weighted_rel_error": fitted.relative_weighted_error}
+            return TensorResult(done(fitted.q), rec, fitted.weighted_error, None)
         except CalibrationUnusableError as e:
             reason = str(e)
     q = quantize_rotated(w_rot, spec, rotation, device)
@@ -99,20 +98,30 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
 
 # Rotated, checked and factored Hessians of the last few input groups: q, k and v (gate and
 # up) read one input, arrive one after another, and need the same R^T H R and Cholesky
-# factor (unless their columns are scaled: each has its own t, so its own H'). Kept on
-# the calibration object itself, so they go when it goes (for a 14336-wide input one
-# entry is 2.5 GB), keyed by the group (or tensor), the rotation and the options.
+# factor. Kept on the calibration object itself, so they go when it goes (for a
+# 14336-wide input one entry is 2.5 GB), keyed by the group, the rotation and the options.
+# A tensor whose columns are scaled has its own H' = diag(t) H diag(t), which no other
+# tensor reads: it is prepared in place on its own copy of H and never kept.
 _PREPARED_LOCK = threading.Lock()
-_PREPARED_KEEP = 4
+_PREPARED_KEEP = 2
+# The precision of a conversion's Hessian work (rotation, Cholesky, the scale refit), as in
+# the GPTQ reference implementation: H is stored in float32, and float64 doubled the
+# memory (1.6 GB per copy of a 14336-wide H) and the time of every n^3 step
+# (docs/decisions.md has the quality measured both ways).
+FIT_DTYPE = torch.float32
 
 
 def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.device,
               calib: CalibOptions, col_scale: torch.Tensor | None) -> PreparedHessian:
+    """`h`: the tensor's own float64 copy of H (`Hessians.hessian` returns one)."""
+    h = h.to(FIT_DTYPE)
+    if col_scale is not None:
+        h = scale_hessian_(h, col_scale)
+        return prepare_hessian(rotate_hessian_(h, rotation), damp=calib.damp,
+                               act_order=calib.act_order, device=device, owned=True)
     group = calib.calibration.group(name)
-    # with column scales H' = diag(t) H diag(t) is this tensor's own, for this t
-    scaled = None if col_scale is None else hash(col_scale.numpy().tobytes())
-    key = (group if group is not None and col_scale is None else name, scaled,
-           rotation.rotation_id, calib.damp, calib.act_order, str(device))
+    key = (group if group is not None else name, rotation.rotation_id, calib.damp,
+           calib.act_order, str(device))
     with _PREPARED_LOCK:
         cache: OrderedDict[tuple, PreparedHessian] = calib.calibration.__dict__.setdefault(
             "_tq_prepared", OrderedDict())
@@ -120,10 +129,9 @@ def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.devi
         if hit is not None:
             cache.move_to_end(key)
             return hit
-    if col_scale is not None:
-        h = scale_hessian(h, col_scale)
-    prepared = prepare_hessian(rotate_hessian(h, rotation), damp=calib.damp,
-                               act_order=calib.act_order, device=device)
+    prepared = prepare_hessian(rotate_hessian_(h, rotation),
+                               damp=calib.damp, act_order=calib.act_order, device=device,
+                               owned=True)
     with _PREPARED_LOCK:
         cache[key] = prepared
         while len(cache) > _PREPARED_KEEP:

@@ -104,6 +104,12 @@ def scale_hessian(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return h * td[:, None] * td[None, :]
 
 
+def scale_hessian_(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`scale_hessian` in place, on an H the caller owns (no second n x n matrix)."""
+    td = t.to(h.device, h.dtype)
+    return h.mul_(td[:, None]).mul_(td[None, :])
+
+
 def true_sq(x_rot: torch.Tensor, t: torch.Tensor, rotation: Rotation,
             chunk_elements: int = 1 << 21) -> float:
     """||unrotate(x_rot) diag(t)||^2 in float64, a block of rows at a time: a scaled

@@ -45,25 +45,47 @@ def rotate_hessian(h: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     Since x_rot x_rot^T summed is R^T (sum x x^T) R, tr(dW H dW^T) is the same in either
     basis. `rotation.rotate` is dtype-generic, so the float64 input stays float64.
     """
-    if h.dim() != 2 or h.shape[0] != h.shape[1] or h.shape[0] != rotation.n:
+    _check_square(h, rotation.n)
+    return rotate_hessian_(h.to(torch.float64).clone(), rotation)
+
+
+def _check_square(h: torch.Tensor, n: int) -> None:
+    if h.dim() != 2 or h.shape[0] != h.shape[1] or h.shape[0] != n:
         raise ValueError(f"Hessian of shape {tuple(h.shape)} does not fit a rotation of "
-                         f"{rotation.n} columns")
-    h64 = h.to(torch.float64)
+                         f"{n} columns")
+
+
+def rotate_hessian_(h: torch.Tensor, rotation: Rotation,
+                    chunk_elements: int = 1 << 22) -> torch.Tensor:
+    """`rotate_hessian` in place on a float64 H the caller owns: H R a block of rows at a
+    time, then R^T (H R) a block of columns at a time (each column is rotated on its own),
+    so no second n x n matrix is ever alive (a 14336-wide float64 H is 1.6 GB)."""
+    _check_square(h, rotation.n)
     if rotation.kind == "none":
-        return h64.clone()
-    hr = rotation.rotate_rows(h64)  # H R
-    return rotation.rotate_rows(hr.T.contiguous()).T.contiguous()  # ((H R)^T R)^T = R^T H R
+        return h
+    n = h.shape[0]
+    width = max(1, chunk_elements // max(1, n))
+    for r in range(0, n, width):
+        h[r:r + width] = rotation.rotate(h[r:r + width])
+    for c in range(0, n, width):
+        h[:, c:c + width] = rotation.rotate(h[:, c:c + width].T).T
+    return h
 
 
-def _checked_hessian(h_rot: torch.Tensor, n: int, dev: torch.device) -> torch.Tensor:
-    """Symmetrised float64 H with dead columns set to 1 on the diagonal, or an error."""
+def _checked_hessian(h_rot: torch.Tensor, n: int, dev: torch.device,
+                     owned: bool = False) -> torch.Tensor:
+    """Symmetrised H (float32 stays float32, anything else becomes float64) with dead
+    columns set to 1 on the diagonal, or an error; in place where the caller `owned` it."""
     if h_rot.shape != (n, n):
         raise ValueError(f"Hessian has shape {tuple(h_rot.shape)}, the weight needs ({n}, {n})")
-    h = h_rot.to(dev, torch.float64)
+    dtype = h_rot.dtype if h_rot.dtype == torch.float32 else torch.float64
+    h = h_rot.to(dev, dtype)
+    if not owned and h is h_rot:
+        h = h.clone()
     bad = int((~torch.isfinite(h)).sum())
     if bad:
         raise CalibrationUnusableError(f"the calibration Hessian has {bad} non-finite entries")
-    h = (h + h.T) / 2
+    _symmetrise_(h)
     diag = torch.diagonal(h)
     if not bool((diag > 0).any()):
         raise CalibrationUnusableError(
@@ -79,23 +101,64 @@ def _checked_hessian(h_rot: torch.Tensor, n: int, dev: torch.device) -> torch.Te
     return h
 
 
+def _symmetrise_(h: torch.Tensor, block: int = 1024) -> None:
+    """(H + H^T) / 2 in place, a pair of blocks at a time."""
+    n = h.shape[0]
+    for i in range(0, n, block):
+        for j in range(i, n, block):
+            a, b = h[i:i + block, j:j + block], h[j:j + block, i:i + block]
+            m = (a + b.T) / 2
+            a.copy_(m)
+            b.copy_(m.T)
+
+
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) I)^-1, float32 (GPTQ sec. 3.3),
-    raising the damping x10 a few times before giving up."""
-    mean_diag = float(torch.diagonal(h).mean())
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    """Upper Cholesky factor U of (H + damp * mean(diag H) I)^-1 (U^T U = that inverse),
+    float32 (GPTQ sec. 3.3), raising the damping x10 a few times before giving up; in H's
+    precision, H left as it came.
+
+    Computed as U = J L^-1 J with J H J = L L^T (J reverses the order): then U^T U =
+    J (J H J)^-1 J = H^-1 and U is upper triangular with a positive diagonal, so it is that
+    factor, for one Cholesky and one triangular inverse (n^3 / 3 each) instead of a
+    Cholesky, an inverse and a second Cholesky (4 n^3 / 3). L is factored and inverted in
+    place in the one copy J H J, so one n x n matrix beside H at a time."""
+    n = h.shape[0]
+    mean_diag = float(torch.diagonal(h).mean(dtype=torch.float64))
     frac = damp
+    info = torch.zeros((), dtype=torch.int32, device=h.device)
     for attempt in range(DAMP_RETRIES):
         if attempt:
             frac = max(frac, 1e-6) * 10
-        low, info = torch.linalg.cholesky_ex(h + frac * mean_diag * eye)
+        low = h.flip(0, 1)
+        torch.diagonal(low).add_(frac * mean_diag)
+        torch.linalg.cholesky_ex(low, out=(low, info))  # in place: LAPACK's potrf
         if int(info) == 0:
-            up, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(low), upper=True)
-            if int(info) == 0 and bool(torch.isfinite(up).all()):
-                return up.float()
+            _invert_lower_(low)
+            up = low.float().flip(0, 1)
+            del low
+            if bool(torch.isfinite(up).all()) and bool((torch.diagonal(up) > 0).all()):
+                return up
+        del low
     raise CalibrationUnusableError(
-        f"the calibration Hessian [{h.shape[0]}x{h.shape[0]}] is not positive definite "
+        f"the calibration Hessian [{n}x{n}] is not positive definite "
         f"even with damping {frac:g} x its mean diagonal (Cholesky failed)")
+
+
+def _invert_lower_(low: torch.Tensor, leaf: int = 512) -> None:
+    """L^-1 in place for a lower-triangular L: [[A, 0], [C, B]]^-1 = [[A^-1, 0],
+    [-B^-1 C A^-1, B^-1]], halves inverted in place and C by two products (about n^3 / 3
+    multiply-adds in GEMMs, where a triangular solve against I costs n^3 / 2 and a second
+    n x n matrix)."""
+    n = low.shape[0]
+    if n <= leaf:
+        eye = torch.eye(n, dtype=low.dtype, device=low.device)
+        low.copy_(torch.linalg.solve_triangular(low, eye, upper=False))
+        return
+    k = n // 2
+    a, b, c = low[:k, :k], low[k:, k:], low[k:, :k]
+    _invert_lower_(a, leaf)
+    _invert_lower_(b, leaf)
+    c.copy_(b @ (c @ a)).neg_()
 
 
 @dataclass
@@ -210,29 +273,53 @@ def _group_sum(x: torch.Tensor, g: int, groups: int) -> torch.Tensor:
     return x.view(*x.shape[:-1], groups, g).sum(-1)
 
 
+def _sparse_rows(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, r: int,
+                 n: int) -> torch.Tensor:
+    """An [r, n] sparse matrix (COO) with vals at (rows, cols), sorted row-major."""
+    return torch.sparse_coo_tensor(torch.stack([rows, cols]), vals, (r, n),
+                                   is_coalesced=True, check_invariants=False)
+
+
 def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
                   codebook: torch.Tensor, h: torch.Tensor, outliers: torch.Tensor,
-                  g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
     """Group scales minimising tr(dW H dW^T) for the fixed codes, per row (scales, w_hat,
-    outlier_val). Outliers keep their dequantized value. A row keeps its old scales
-    unless the new (fp16-rounded) ones lower its weighted error.
+    outlier_val), and the weighted error of the result with its reference:
+    (tr(dW H dW^T), tr(W H W^T)). Outliers keep their dequantized value. A row keeps its
+    old scales unless the new (fp16-rounded) ones lower its weighted error.
 
     W_hat_r = A_r s_r + f_r with A_r[j, group(j)] = c[code_rj] is linear in the row's
-    scales s_r, so the optimum solves (A^T H A) s = A^T H (w - f): a groups x groups system.
+    scales s_r, so the optimum solves (A^T H A) s = A^T H (w - f): a groups x groups system
+    (solved in float64; the products in H's precision). The product w H serves both the
+    right-hand side (H f is one sparse product) and tr(W H W^T); the error's own product,
+    dW H, is taken directly rather than by expanding it, which would cancel to nothing at
+    8 bits. (A separate pass of two n x n products per row measured them before.)
     """
     out, n = w.shape
     groups = scales.shape[1]
+    dt = h.dtype
     hit = torch.zeros(out * n, dtype=torch.bool, device=w.device)
     hit[outliers] = True
     hit = hit.view(out, n)
     new = scales.clone()
+    vals = torch.empty(outliers.numel(), dtype=torch.float16, device=w.device)
+    o_rows, o_cols = outliers // n, outliers % n
     rows = max(1, CHUNK_ELEMENTS // (groups * g))
-    cb64 = codebook.double()
+    cbh = codebook.to(dt)
+    num = den = 0.0
     for r0 in range(0, out, rows):
         r1 = min(r0 + rows, out)
-        a = torch.where(hit[r0:r1], 0.0, cb64[res.codes[r0:r1].long()])
-        t = w[r0:r1].double() - torch.where(hit[r0:r1], res.w_hat[r0:r1].double(), 0.0)
-        b = _group_sum(a * (t @ h), g, groups)
+        a = torch.where(hit[r0:r1], 0.0, cbh[res.codes[r0:r1].long()])
+        wr = w[r0:r1].to(dt)
+        wh = wr @ h
+        den += float((wh * wr).sum(dtype=torch.float64))
+        sel = (o_rows >= r0) & (o_rows < r1)
+        orow, ocol = o_rows[sel] - r0, o_cols[sel]
+        if orow.numel():  # H (w - f): f the outliers' error-fed values, sparse
+            f = res.w_hat[r0:r1][orow, ocol].to(dt)
+            wh -= _sparse_rows(orow, ocol, f, r1 - r0, n) @ h
+        b = _group_sum(a * wh, g, groups).double()
+        del wh
         m = torch.empty(r1 - r0, groups, groups, dtype=torch.float64, device=w.device)
         for gi in range(groups):
             c0, c1 = gi * g, min(gi * g + g, n)
@@ -252,13 +339,20 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
 
         ok = (info == 0) & torch.isfinite(s_new).all(-1) & (loss(s_new) < loss(s_old))
         new[r0:r1] = torch.where(ok[:, None], s_new.float(), scales[r0:r1])
+        # The stored W_hat of these rows, exactly as `dequantize_rotated` computes it, and
+        # its weighted error.
+        w_hat = codebook[res.codes[r0:r1].long()] * new[r0:r1].repeat_interleave(g, 1)[:, :n]
+        v = (res.w_hat[r0:r1][orow, ocol] - w_hat[orow, ocol]).half()
+        vals[sel.nonzero()[:, 0]] = v
+        w_hat[orow, ocol] += v.float()
+        d = (w[r0:r1] - w_hat).to(dt)
+        num += float(((d @ h) * d).sum(dtype=torch.float64))
     # W_hat exactly as `dequantize_rotated` computes it from the stored tensors.
     levels = codebook[res.codes.long()]
     w_hat = levels * new.repeat_interleave(g, dim=1)[:, :n]
     flat = w_hat.view(-1)
-    vals = (res.w_hat.view(-1)[outliers] - flat[outliers]).half()
     flat[outliers] += vals.float()
-    return new, w_hat, vals
+    return new, w_hat, vals, max(num, 0.0), den
 
 
 @dataclass(frozen=True)
@@ -273,22 +367,43 @@ class PreparedHessian:
 
 
 def prepare_hessian(h_rot: torch.Tensor, *, damp: float = 0.01, act_order: bool = False,
-                    device: torch.device | str | None = None) -> PreparedHessian:
-    """`quantize_calibrated`'s preparation of H; raises `CalibrationUnusableError`."""
+                    device: torch.device | str | None = None,
+                    owned: bool = False) -> PreparedHessian:
+    """`quantize_calibrated`'s preparation of H; raises `CalibrationUnusableError`.
+    `owned`: h_rot is the caller's float64 copy, checked and symmetrised in place (and
+    kept as the result's `h`) instead of copied."""
     dev = torch.device(device) if device is not None else h_rot.device
     n = h_rot.shape[0]
-    h = _checked_hessian(h_rot, n, dev)
+    h = _checked_hessian(h_rot, n, dev, owned)
     if act_order:
         order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-    else:
-        order = torch.arange(n, device=dev)
-    return PreparedHessian(h, order, _inverse_cholesky(h[order][:, order], damp))
+        return PreparedHessian(h, order, _inverse_cholesky(h[order][:, order], damp))
+    return PreparedHessian(h, torch.arange(n, device=dev), _inverse_cholesky(h, damp))
+
+
+@dataclass(frozen=True)
+class CalibratedFit:
+    """`fit_calibrated`'s result: the tensor, and its weighted error tr(dW H dW^T) alone and
+    over tr(W H W^T) (what `weighted_errors` would compute, without its two passes)."""
+
+    q: QuantizedTensor
+    weighted_error: float
+    relative_weighted_error: float
 
 
 def quantize_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
                         spec: QuantSpec, rotation: Rotation, *, damp: float = 0.01,
                         act_order: bool = False, block_size: int = 128,
                         device: torch.device | str | None = None) -> QuantizedTensor:
+    """`fit_calibrated`'s tensor alone."""
+    return fit_calibrated(w_rot, h_rot, spec, rotation, damp=damp, act_order=act_order,
+                          block_size=block_size, device=device).q
+
+
+def fit_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
+                   spec: QuantSpec, rotation: Rotation, *, damp: float = 0.01,
+                   act_order: bool = False, block_size: int = 128,
+                   device: torch.device | str | None = None) -> CalibratedFit:
     """GPTQ (arXiv:2210.17323) of a rotated weight [out, in] on the tq grid, given the
     rotated Hessian [in, in] (`rotate_hessian`). Same format as `quantize_rotated`.
 
@@ -328,16 +443,18 @@ def quantize_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessi
         del first
     res = _solve(w, up, scales, codebook, spec.group_size, order, outliers, block_size,
                  want_loss=False)
-    scales, w_hat, vals = _refit_scales(w, res, scales, codebook, h, outliers, spec.group_size)
+    scales, w_hat, vals, num, den = _refit_scales(w, res, scales, codebook, h, outliers,
+                                                  spec.group_size)
     err = float((w.double() - w_hat.double()).pow(2).sum())
     norm = float(w.double().pow(2).sum())
-    return QuantizedTensor(
+    q = QuantizedTensor(
         shape=(out, n), spec=spec, rotation=rotation,
         codes=pack_codes(res.codes, spec.bits).cpu(),
         scales=scales.half().cpu(), codebook=codebook.float().cpu(),
         outlier_idx=outliers.to(torch.int32).cpu(), outlier_val=vals.cpu(),
         rel_error=err / norm if norm > 0 else 0.0,
     )
+    return CalibratedFit(q, num, num / den if den > 0 else 0.0 if num == 0 else float("inf"))
 
 
 def _weighted(w_rot: torch.Tensor, w_hat_rot: torch.Tensor,
