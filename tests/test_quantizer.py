@@ -89,3 +89,21 @@ def test_options_have_their_stated_effect() -> None:
     assert not torch.equal(window.scales, plain.scales)
     assert not torch.equal(soft.codebook, plain.codebook)
     assert window.rel_error < 0.05 and soft.rel_error < 0.05
+
+
+def test_dequantize_in_row_blocks_is_the_whole_dequantization(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows a block at a time (7-row blocks here) give the one-shot dequantization bit for
+    bit, outliers on both sides of every block edge included."""
+    import tq_cli.quant.grouped as grouped
+    from tq_kernels.reference import dequantize_codes
+
+    w = torch.randn(61, 200, generator=torch.Generator().manual_seed(0))
+    q = grouped.quantize_rotated(w, QuantSpec(bits=3, group_size=64, outliers=0.02),
+                                 grouped.Rotation("none", 200, 64, 0))
+    whole = dequantize_codes(q.codes, q.scales, q.codebook, bits=3, group_size=64,
+                             in_features=200)
+    whole.view(-1).index_add_(0, q.outlier_idx.long(), q.outlier_val.float())
+    monkeypatch.setattr(grouped, "CHUNK_ELEMENTS", 7 * 200)
+    assert len(grouped.row_blocks(q)) == 9
+    assert torch.equal(grouped.dequantize_rotated(q), whole)

@@ -303,6 +303,7 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
     hit = hit.view(out, n)
     new = scales.clone()
     vals = torch.empty(outliers.numel(), dtype=torch.float16, device=w.device)
+    w_hat_all = torch.empty(out, n, dtype=torch.float32, device=w.device)
     o_rows, o_cols = outliers // n, outliers % n
     rows = max(1, CHUNK_ELEMENTS // (groups * g))
     cbh = codebook.to(dt)
@@ -345,14 +346,10 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
         v = (res.w_hat[r0:r1][orow, ocol] - w_hat[orow, ocol]).half()
         vals[sel.nonzero()[:, 0]] = v
         w_hat[orow, ocol] += v.float()
+        w_hat_all[r0:r1] = w_hat
         d = (w[r0:r1] - w_hat).to(dt)
         num += float(((d @ h) * d).sum(dtype=torch.float64))
-    # W_hat exactly as `dequantize_rotated` computes it from the stored tensors.
-    levels = codebook[res.codes.long()]
-    w_hat = levels * new.repeat_interleave(g, dim=1)[:, :n]
-    flat = w_hat.view(-1)
-    flat[outliers] += vals.float()
-    return new, w_hat, vals, max(num, 0.0), den
+    return new, w_hat_all, vals, max(num, 0.0), den
 
 
 @dataclass(frozen=True)
@@ -445,8 +442,9 @@ def fit_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
                  want_loss=False)
     scales, w_hat, vals, num, den = _refit_scales(w, res, scales, codebook, h, outliers,
                                                   spec.group_size)
-    err = float((w.double() - w_hat.double()).pow(2).sum())
-    norm = float(w.double().pow(2).sum())
+    err = float(torch.linalg.vector_norm(w - w_hat, dtype=torch.float64)) ** 2
+    norm = float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
+    del w_hat
     q = QuantizedTensor(
         shape=(out, n), spec=spec, rotation=rotation,
         codes=pack_codes(res.codes, spec.bits).cpu(),

@@ -11,11 +11,12 @@ gather from the codebook; 4 bits use the Lloyd-Max codebook, as converted layers
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 
-from tq_cli.quant.grouped import QuantizedTensor, dequantize, dequantize_rotated
+from tq_cli.quant.grouped import QuantizedTensor, dequantize, dequantize_rows, row_blocks
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels.reference import dequantize_codes
 from tq_kernels.rotation import hadamard_unrotate
@@ -70,9 +71,15 @@ def finish_head(q: QuantizedTensor, w: torch.Tensor | None = None,
     q = integer_levels(q)
     if w is None:
         return q
-    w = w.float()
-    approx = dequantize_rotated(q) if rotated else dequantize(q)
-    err = float(torch.linalg.vector_norm(w - approx.to(w.device), dtype=torch.float64))
+    if rotated:  # a block of rows at a time: no full-size copies beside w
+        sq = 0.0
+        for r0, r1 in row_blocks(q):
+            d = w[r0:r1].float() - dequantize_rows(q, r0, r1).to(w.device)
+            sq += float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2
+        err = math.sqrt(sq)
+    else:
+        err = float(torch.linalg.vector_norm(w.float() - dequantize(q).to(w.device),
+                                             dtype=torch.float64))
     norm = float(torch.linalg.vector_norm(w, dtype=torch.float64))
     return replace(q, rel_error=(err / norm) ** 2 if norm else 0.0)
 
