@@ -119,6 +119,31 @@ def test_the_calibrated_fit_minimises_the_original_weighted_error() -> None:
         quantize_tensor("w", w_rot, spec, rot, torch.device("cpu"), None)
 
 
+def test_a_scaled_tensor_s_factor_is_kept_only_while_it_is_asked_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--target-bits fits one tensor at each width in a row: its H' is prepared once; the
+    next tensor's replaces it (dropped first), so at most one is ever kept."""
+    import tq_cli.quant.choose as choose
+
+    made: list[int] = []
+    real = choose.prepare_hessian
+    monkeypatch.setattr(choose, "prepare_hessian",
+                        lambda h, **k: made.append(h.shape[0]) or real(h, **k))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(512, 128, generator=g)
+    calib = CalibOptions(_Hessians((x.T @ x).double() / 512))
+    rot = make_rotation(RotationSpec(seed=1), 128, 64)
+    slot = calib.calibration.__dict__
+    for name, seed in (("a", 5), ("a", 5), ("b", 6)):
+        w = _heavy_columns(32, 128, seed=seed)
+        t = sinkhorn_columns(w)
+        for bits in (3, 4):
+            quantize_tensor(name, rot.rotate_rows(w / t), QuantSpec(bits=bits, group_size=64,
+                            col_scale="sinkhorn"), rot, torch.device("cpu"), calib, t)
+        assert [k[0] for k in slot["_tq_prepared_scaled"]] == [name]
+    assert made == [128, 128]  # "a" once (four fits), "b" once (two)
+
+
 @pytest.fixture(scope="module")
 def scaled(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cs") / "tq"

@@ -86,7 +86,6 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
             prepared = _prepared(name, h, rotation, device, calib, col_scale)
             fitted = fit_calibrated(w_rot, prepared, spec, rotation, damp=calib.damp,
                                     act_order=calib.act_order, device=device)
-            del prepared  # a column-scaled tensor's H' is its own: gone with this tensor
             # tr(dW' H' dW'^T) = tr(dW H dW^T): the weighted error needs no correction.
             rec = {"calibrated": True, "weighted_rel_error": fitted.relative_weighted_error}
             return TensorResult(done(fitted.q), rec, fitted.weighted_error, None)
@@ -101,7 +100,9 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
 # factor. Kept on the calibration object itself, so they go when it goes (for a
 # 14336-wide input one entry is 2.5 GB), keyed by the group, the rotation and the options.
 # A tensor whose columns are scaled has its own H' = diag(t) H diag(t), which no other
-# tensor reads: it is prepared in place on its own copy of H and never kept.
+# tensor reads: it is prepared in place on its own copy of H and kept in a slot of its
+# own only until another tensor asks (`--target-bits` fits one tensor at each width in a
+# row), the old entry dropped before the new one is made.
 _PREPARED_LOCK = threading.Lock()
 _PREPARED_KEEP = 2
 # The precision of a conversion's Hessian work (rotation, Cholesky, the scale refit), as in
@@ -113,12 +114,23 @@ FIT_DTYPE = torch.float32
 
 def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.device,
               calib: CalibOptions, col_scale: torch.Tensor | None) -> PreparedHessian:
-    """`h`: the tensor's own float64 copy of H (`Hessians.hessian` returns one)."""
+    """`h`: the tensor's own copy of H (`Hessians.hessian` returns one)."""
     h = h.to(FIT_DTYPE)
     if col_scale is not None:
-        h = scale_hessian_(h, col_scale)
-        return prepare_hessian(rotate_hessian_(h, rotation), damp=calib.damp,
-                               act_order=calib.act_order, device=device, owned=True)
+        scaled_key = (name, hash(col_scale.numpy().tobytes()), rotation.rotation_id,
+                      calib.damp, calib.act_order, str(device))
+        with _PREPARED_LOCK:
+            slot: dict[tuple, PreparedHessian] = calib.calibration.__dict__.setdefault(
+                "_tq_prepared_scaled", {})
+            if scaled_key in slot:
+                return slot[scaled_key]
+            slot.clear()
+        prepared = prepare_hessian(rotate_hessian_(scale_hessian_(h, col_scale), rotation),
+                                   damp=calib.damp, act_order=calib.act_order,
+                                   device=device, owned=True)
+        with _PREPARED_LOCK:
+            slot[scaled_key] = prepared
+        return prepared
     group = calib.calibration.group(name)
     key = (group if group is not None else name, rotation.rotation_id, calib.damp,
            calib.act_order, str(device))
