@@ -30,6 +30,8 @@ from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec, convert_default_col_scale
 from tq_kernels import isas
 
+# Stage functions of this and earlier code (rotate_hessian, weighted_errors: an older
+# checkout on PYTHONPATH reports its own), summed by name.
 STAGES = ("rotate_hessian", "rotate_hessian_", "scale_hessian_", "prepare_hessian",
           "_inverse_cholesky", "_invert_lower_", "_solve", "_refit_scales", "weighted_errors",
           "fit_grid", "sinkhorn_columns")

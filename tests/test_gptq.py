@@ -339,3 +339,22 @@ def test_a_float32_hessian_fits_as_well_as_float64() -> None:
         e64 = fit_calibrated(w_rot, h_rot, spec, rot).relative_weighted_error
         e32 = fit_calibrated(w_rot, h_rot.float(), spec, rot).relative_weighted_error
         assert e32 == pytest.approx(e64, rel=5e-3), bits
+
+
+def test_inverse_factor_raises_the_damping_where_it_must() -> None:
+    """An H with an eigenvalue of -5% of its mean diagonal fails Cholesky at 1% damping and
+    succeeds at 10%: the factor is that of (H + 0.1 mean(diag) I)^-1; H untouched."""
+    from tq_cli.quant.gptq import _inverse_cholesky
+
+    g = torch.Generator().manual_seed(7)
+    q, _ = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))
+    lam = torch.linspace(1.0, 2.0, 64, dtype=torch.float64)
+    lam[0] = -0.05 * float(lam.mean())
+    h = q @ torch.diag(lam) @ q.T
+    h = (h + h.T) / 2
+    before = h.clone()
+    up = _inverse_cholesky(h, 0.01)
+    assert torch.equal(h, before)
+    damped = h + 0.1 * float(torch.diagonal(h).mean()) * torch.eye(64, dtype=torch.float64)
+    want = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    assert torch.allclose(up.double(), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))

@@ -107,3 +107,5 @@ def test_dequantize_in_row_blocks_is_the_whole_dequantization(
     monkeypatch.setattr(grouped, "CHUNK_ELEMENTS", 7 * 200)
     assert len(grouped.row_blocks(q)) == 9
     assert torch.equal(grouped.dequantize_rotated(q), whole)
+    rows = torch.cat([grouped.dequantize_rows(q, r0, r1) for r0, r1 in grouped.row_blocks(q)])
+    assert torch.equal(rows, whole)

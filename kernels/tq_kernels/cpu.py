@@ -107,7 +107,6 @@ def _cap() -> int:
     return cpu_build.capped(int(torch.ops.tq_cpu.cpu_isa()), warn=True)
 
 
-
 _requested: str | None = None  # set_gemm_precision(); None: TQ_CPU_GEMM, else bf16
 
 

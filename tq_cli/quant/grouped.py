@@ -92,7 +92,11 @@ def dequantize_rotated(q: QuantizedTensor) -> torch.Tensor:
     out, n = q.shape
     w = torch.empty(out, n, dtype=torch.float32, device=q.codes.device)
     for r0, r1 in row_blocks(q):
-        w[r0:r1] = dequantize_rows(q, r0, r1)
+        w[r0:r1] = dequantize_codes(q.codes[r0:r1], q.scales[r0:r1], q.codebook,
+                                    bits=q.spec.bits, group_size=q.spec.group_size,
+                                    in_features=n)
+    if q.outlier_idx.numel():
+        w.view(-1).index_add_(0, q.outlier_idx.long(), q.outlier_val.float())
     return w
 
 
