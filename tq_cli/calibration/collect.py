@@ -1,12 +1,13 @@
 """Calibration: per-layer input second moments H = E[x x^T] from running the model on text.
 
-The original model runs one transformer block at a time, GPTQ-style (Frantar et al.
-2022, arXiv:2210.17323, sec. 5 "sequential" processing with a "catcher" on block 0):
+The original model runs one transformer block at a time (`tq_cli.calibration.run`):
 the skeleton is built from config.json on the meta device (buffers such as rotary
 frequencies real), only the embeddings are read from the shards, the arguments block 0
 receives are caught, and then each block is materialised from the shards, runs every
 calibration sequence, hands its outputs on as the next block's inputs, and goes back
 to meta. Memory is one block plus the activations of the calibration set.
+`prepare_run` builds that run; `calibrate_planned` writes its groups to a file as the
+blocks finish, and `tq convert`'s self-calibration consumes them in memory instead.
 
 Each converted linear layer's input feeds a float32 accumulator (per-batch x^T x added
 by the GEMM itself); layers that read the same input (the recipe's
@@ -18,6 +19,7 @@ JSON in the `tq_calibration` metadata key (docs/format.md). `tq convert --calib`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -29,29 +31,24 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from tq_cli.calibration.hessian import InputGroup, PlacedLayers, add_hooks, place_layers
-from tq_cli.calibration.skeleton import (
-    BlockWeights,
-    candidates,
-    catch_block_inputs,
-    find_blocks,
-    hidden_of,
-    with_hidden,
-)
+from tq_cli.calibration.hessian import place_layers
+from tq_cli.calibration.run import CalibRun
+from tq_cli.calibration.skeleton import candidates, find_blocks
 from tq_cli.device import Device, resolve_device
 from tq_cli.errors import SourceError, UnsupportedError
 from tq_cli.io.calibration import (
     CalibrationWriter,
     check_out,
 )
-from tq_cli.io.safetensors_reader import SourceModel
 from tq_cli.io.text import Text
+from tq_cli.parallel import Comm
 from tq_cli.planning.prepare import PlannedSource
 from tq_cli.runtime.hf_models import build_skeleton
 from tq_cli.runtime.module_map import ParamSources, Placement
 from tq_cli.version import __version__
 
-__all__ = ["CalibResult", "CalibSpec", "calibrate", "calibrate_planned", "token_sequences"]
+__all__ = ["CalibResult", "CalibSpec", "calibrate", "calibrate_planned", "prepare_run",
+           "token_sequences", "write_run"]
 Progress = Callable[[int, int], None]
 Warn = Callable[[str], None]
 
@@ -128,12 +125,10 @@ def calibrate(source: str | os.PathLike[str], out: str | os.PathLike[str], spec:
 
 
 def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec: CalibSpec,
-                      progress: Progress | None = None,
-                      warn: Warn | None = None) -> CalibResult:
-    """`calibrate` for a source already planned (convert --synthetic-calib plans once)."""
-    from tq_cli.io.text import calibration_text, read_text
-    from tq_cli.runtime.hf_models import load_tokenizer, require_transformers
-
+                      progress: Progress | None = None, warn: Warn | None = None,
+                      comm: Comm | None = None) -> CalibResult:
+    """`calibrate` for a source already planned; under torchrun (`comm`) the ranks share
+    the sequences and rank 0 writes the file."""
     t0 = time.perf_counter()
     warnings: list[str] = []
 
@@ -141,6 +136,50 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
         warnings.append(msg)
         if warn is not None:
             warn(msg)
+
+    out_path = Path(out).expanduser()
+    check_out(out_path, planned.model)
+    run = prepare_run(planned, spec, note, comm)
+    write_run(run, planned, out_path, note, progress)
+    return CalibResult(out_path, planned.folder, sum(len(g.members) for g in run.groups),
+                       len(run.groups), int(run.seqs.shape[0]), spec.seqlen,
+                       int(run.seqs.numel()), time.perf_counter() - t0,
+                       out_path.stat().st_size if out_path.is_file() else 0,
+                       str(run.device), str(run.meta["text"]["source"]),
+                       sorted(run.layers.uncalibrated), warnings)
+
+
+def write_run(run: CalibRun, planned: PlannedSource, out: Path, note: Warn,
+              progress: Progress | None = None) -> None:
+    """Run every block and write the groups to the calibration file `out` as they finish
+    (rank 0 writes; every rank runs)."""
+    recipe, groups = planned.recipe, run.groups
+    total = len(run.blocks) + (1 if run.layers.tail else 0)
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(
+            CalibrationWriter(out, {g.key: g.n for g in groups}, run.meta)) \
+            if run.comm.rank == 0 else None
+        for stage, done in run.stages():
+            for g in done:
+                g.check(recipe)
+                h = g.h if g.h is not None else torch.zeros(g.n, g.n, dtype=torch.float32)
+                if writer is not None:
+                    writer.write(g.key, h, g.tokens)
+                g.h = g.last = None
+                if g.tokens == 0:
+                    note(f"{', '.join(g.members.values())}: saw no calibration tokens")
+            if progress is not None:
+                progress(stage + 1, total)
+    run.comm.barrier()
+
+
+def prepare_run(planned: PlannedSource, spec: CalibSpec, note: Warn,
+                comm: Comm | None = None) -> CalibRun:
+    """The model skeleton, its blocks and input groups, and the token sequences: all that
+    a calibration needs before its first block runs (what it cannot run is refused
+    here, before any block's work)."""
+    from tq_cli.io.text import calibration_text, read_text
+    from tq_cli.runtime.hf_models import load_tokenizer, require_transformers
 
     folder, src, recipe = planned.folder, planned.model, planned.recipe
     if src.config is None:  # make_plan refuses such a source before this can be reached
@@ -151,8 +190,6 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
     unknown = unknown_model(src.config)
     if unknown is not None:
         raise UnsupportedError(f"{folder}: tq calibrate cannot build this model: {unknown}")
-    out_path = Path(out).expanduser()
-    check_out(out_path, src)
     names = planned.converted_names
     device = resolve_device(spec.device)
     text = calibration_text() if spec.text is None else read_text(spec.text)
@@ -212,21 +249,12 @@ def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec:
         "routed": sorted(n for t in layers.taps for g in t.groups.values()
                          for n in g.members.values()),
     }
-    with CalibrationWriter(out_path, {g.key: g.n for g in groups}, meta) as writer:
-        def flush(g: InputGroup) -> None:
-            g.check(recipe)
-            h = g.h if g.h is not None else torch.zeros(g.n, g.n, dtype=torch.float32)
-            writer.write(g.key, h, g.tokens)
-            g.h = g.last = None
-            if g.tokens == 0:
-                note(f"{', '.join(g.members.values())}: saw no calibration tokens")
-
-        _run(model, src, prefix, bpath, blocks, layers, modules, seqs, spec.batch_size, device,
-             flush, progress)
-    return CalibResult(out_path, folder, sum(len(g.members) for g in groups), len(groups),
-                       int(seqs.shape[0]), spec.seqlen, int(seqs.numel()),
-                       time.perf_counter() - t0, writer.size, str(device), text.source,
-                       sorted(layers.uncalibrated), warnings)
+    comm = comm or Comm()
+    if comm.world > 1:
+        meta["ranks"] = comm.world
+    return CalibRun(model, src, prefix, bpath, blocks, layers, modules, seqs,
+                    spec.batch_size, device, meta, _param_sources(model, list(src.tensors)),
+                    comm)
 
 
 def _placed(model: nn.Module, names: list[str]) -> dict[str, Placement]:
@@ -247,50 +275,3 @@ def _param_sources(model: nn.Module, names: list[str]) -> ParamSources | None:
         return param_sources(model, names)
     except ImportError:  # transformers 4: no renames to know of
         return None
-
-
-@torch.no_grad()
-def _run(model: nn.Module, src: SourceModel, prefix: str, bpath: str, blocks: nn.ModuleList,
-         layers: PlacedLayers, modules: dict[str, nn.Module], seqs: torch.Tensor, batch: int,
-         device: torch.device, flush: Callable[[InputGroup], None],
-         progress: Progress | None) -> None:
-    """Catch block 0's inputs, then run, accumulate and release one block at a time."""
-    weights = BlockWeights(src, prefix, device, _param_sources(model, list(src.tensors)))
-    # The base model's weights outside the blocks: embeddings, and the (small) final norm.
-    base: nn.Module = getattr(model, "base_model", model)
-    base_path = next(n for n, m in modules.items() if m is base)
-    weights.load(base, base_path, skip=bpath)
-    inputs = catch_block_inputs(model, blocks[0], seqs, batch, device)
-    weights.release(base, keep=layers.tail_norm)
-    total = len(blocks) + (1 if layers.tail else 0)
-    for i, block in enumerate(blocks):
-        weights.load(block, f"{bpath}.{i}")
-        handles = add_hooks(layers.blocks[i], modules,
-                            [t for t in layers.taps if t.of.startswith(f"{bpath}.{i}.")])
-        try:
-            for j, (args, kwargs) in enumerate(inputs):
-                for g in layers.blocks[i]:
-                    g.last = None  # a new batch: nothing is shared with the previous one
-                y = block(*args, **kwargs)
-                inputs[j] = with_hidden(args, kwargs, y[0] if isinstance(y, tuple | list) else y)
-        finally:
-            for h in handles:
-                h.remove()
-        weights.release(block)
-        for g in layers.blocks[i]:
-            flush(g)
-        if progress is not None:
-            progress(i + 1, total)
-    if layers.tail and layers.tail_norm is not None:
-        for args, kwargs in inputs:
-            normed = layers.tail_norm(hidden_of(args, kwargs))
-            for g in layers.tail:
-                g.last = None
-                for path in g.members:
-                    g.add(path, normed)
-        for g in layers.tail:
-            flush(g)
-        if progress is not None:
-            progress(total, total)
-    if layers.tail_norm is not None:
-        weights.release(layers.tail_norm)

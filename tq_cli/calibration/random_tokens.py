@@ -10,20 +10,26 @@ columns that a weight-only fit cannot know come out of the model itself (the ide
 ZeroQ's "distilled data", Cai et al. 2020, arXiv:2001.00281, and of LLM-QAT's
 model-generated data, Liu et al. 2023, arXiv:2305.17888, here in its cheapest form).
 
-Pure apart from the temporary calibration file, which lives in a folder the caller owns.
+Pure apart from the random text (and, for a file, the calibration file), which live in a
+folder the caller owns.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tq_cli.errors import SourceError
 from tq_cli.io.text import Text
 from tq_cli.planning.prepare import PlannedSource
+
+if TYPE_CHECKING:
+    from tq_cli.calibration.run import CalibRun
+    from tq_cli.parallel import Comm
 
 DEFAULT_SEQLEN = 512
 # Decoding random ids and tokenising the text again does not give the same count back;
@@ -79,12 +85,12 @@ def random_text(tokenizer: Any, tokens: int, seed: int, model_vocab: int | None 
     return Text(text, f"random tokens (seed {seed}, {len(ids)} ids)")
 
 
-def synthetic_calibration(planned: PlannedSource, tokens: int, seed: int, folder: Path,
-                          device: str) -> tuple[Path, dict]:
-    """Write a random-token calibration file for a planned source under `folder`; returns
-    its path and the record the manifest keeps (what was drawn, how much, the text's
-    sha256)."""
-    from tq_cli.calibration.collect import CalibSpec, calibrate_planned
+def synthetic_run(planned: PlannedSource, tokens: int, seed: int, folder: Path,
+                  device: str, comm: Comm | None = None,
+                  note: Callable[[str], None] | None = None) -> tuple[CalibRun, dict]:
+    """The calibration run of a random-token calibration (its text kept in `folder`), and
+    the record the manifest keeps (what was drawn, how much, the text's sha256)."""
+    from tq_cli.calibration.collect import CalibSpec, prepare_run
     from tq_cli.runtime.hf_models import load_tokenizer, require_transformers
 
     require_transformers("--synthetic-calib runs the model on random tokens")
@@ -96,10 +102,22 @@ def synthetic_calibration(planned: PlannedSource, tokens: int, seed: int, folder
                        vocab if isinstance(vocab, int) and vocab > 0 else None)
     text_path = folder / "synthetic.txt"
     text_path.write_text(text.text, encoding="utf-8")
-    out = folder / "synthetic.calib"
-    res = calibrate_planned(planned, out, CalibSpec(text=str(text_path), samples=plan.samples,
-                                                    seqlen=plan.seqlen, device=device))
+    run = prepare_run(planned, CalibSpec(text=str(text_path), samples=plan.samples,
+                                         seqlen=plan.seqlen, device=device),
+                      note or (lambda _msg: None), comm)
     record = {"synthetic": "random-tokens", "seed": seed, "tokens_requested": tokens,
-              "samples": res.samples, "seqlen": res.seqlen, "tokens": res.tokens,
-              "text_sha256": text.sha256}
+              "samples": int(run.seqs.shape[0]), "seqlen": plan.seqlen,
+              "tokens": int(run.seqs.numel()), "text_sha256": text.sha256}
+    return run, record
+
+
+def synthetic_calibration(planned: PlannedSource, tokens: int, seed: int, folder: Path,
+                          device: str) -> tuple[Path, dict]:
+    """Write a random-token calibration file for a planned source under `folder`; returns
+    its path and the record the manifest keeps."""
+    from tq_cli.calibration.collect import write_run
+
+    run, record = synthetic_run(planned, tokens, seed, folder, device)
+    out = folder / "synthetic.calib"
+    write_run(run, planned, out, lambda _msg: None)
     return out, record

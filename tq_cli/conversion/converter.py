@@ -9,6 +9,7 @@ flow of docs/design.md). The output folder's life (partial folder, resume, swap)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -20,8 +21,11 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from tq_cli.calibration.run import BlockStates
+from tq_cli.calibration.stream import StreamedCalibration
 from tq_cli.conversion.finish import finish
 from tq_cli.conversion.pipeline import Finished, stream
+from tq_cli.conversion.ranks import STATES_DIR, assign
 from tq_cli.conversion.spec import ConvertResult, ConvertSpec
 from tq_cli.device import resolve_device
 from tq_cli.errors import (
@@ -45,7 +49,8 @@ from tq_cli.io.output import (
 from tq_cli.io.safetensors_reader import SourceModel, open_source, source_sha256
 from tq_cli.io.source import resolve_source
 from tq_cli.io.writer import Journal, ShardWriter
-from tq_cli.planning.plan import Plan
+from tq_cli.parallel import Comm
+from tq_cli.planning.plan import Plan, TensorPlan
 from tq_cli.planning.prepare import PlannedSource, plan_source
 from tq_cli.quant.choose import CalibOptions
 from tq_cli.quant.rotation import Rotation, make_rotation
@@ -61,8 +66,13 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
             spec: ConvertSpec | None = None, *,
             on_plan: Callable[[Plan], None] | None = None,
             progress: ProgressFn | None = None,
-            log: Callable[[str], None] | None = None) -> ConvertResult:
-    """Convert SOURCE (folder or hub id) into a TurboQuant checkpoint at OUT."""
+            log: Callable[[str], None] | None = None,
+            comm: Comm | None = None) -> ConvertResult:
+    """Convert SOURCE (folder or hub id) into a TurboQuant checkpoint at OUT. Under
+    torchrun (`comm`, `tq_cli.parallel`) every rank calls this alike: the ranks share the
+    calibration tokens and the tensors, write into the same output folder (which every
+    rank must see: a local disk on one machine, a shared file system across machines),
+    and rank 0 finishes the checkpoint; the other ranks return rank 0's result."""
     if spec is None:
         spec = ConvertSpec()
     elif not isinstance(spec, ConvertSpec):  # a dict, as the CLI builds one: same checks
@@ -76,14 +86,16 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
         raise TqError("tq_cli.convert: source and out must be paths (or a hub id for "
                       f"source), got {type(source).__name__} and {type(out).__name__}")
     out = Path(out).expanduser()
-    with output_lock(out), contextlib.ExitStack() as scratch:
-        return _convert(source, out, spec, on_plan, progress, log, scratch)
+    comm = comm or Comm()
+    with (output_lock(out) if comm.rank == 0 else contextlib.nullcontext()), \
+            contextlib.ExitStack() as scratch:
+        return _convert(source, out, spec, on_plan, progress, log, scratch, comm)
 
 
 def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
              on_plan: Callable[[Plan], None] | None, progress: ProgressFn | None,
              log: Callable[[str], None] | None,
-             scratch: contextlib.ExitStack) -> ConvertResult:
+             scratch: contextlib.ExitStack, comm: Comm) -> ConvertResult:
     t0 = time.perf_counter()
     warnings: list[str] = []
 
@@ -94,7 +106,8 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
 
     folder = resolve_source(source)
     source_model = open_source(folder)
-    check_output(out, folder, spec.overwrite)
+    if comm.rank == 0:
+        check_output(out, folder, spec.overwrite)
     planned = plan_source(folder, spec.recipe, spec.quant, spec.rotation, seeds=spec.seeds,
                           seeds_file=spec.seeds_file, max_shard_bytes=spec.max_shard_bytes,
                           model=source_model, check=True, vision=spec.vision,
@@ -106,7 +119,7 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     # A fallback to the weight-only fit is said once the conversion has succeeded: a run
     # that fails says one line, its error.
     fallbacks: list[str] = []
-    calib, calib_record = _calibration(spec, planned, scratch, fallbacks.append)
+    calib, calib_record = _calibration(spec, planned, scratch, fallbacks.append, comm)
     provenance: dict[str, Any] = {"seeds": planned.seeds_record} if planned.seeds_record else {}
     if calib_record is not None:
         provenance["calibration"] = calib_record
@@ -125,43 +138,36 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
 
     partial = partial_path(out)
     plan_hash = plan.hash()
-    done: dict[str, dict] = {}
     fresh = True
-    if partial.exists():
-        if spec.resume:
-            old = read_plan_hash(partial)
-            if old != plan_hash:
-                raise OutputError(
-                    f"{partial}: an unfinished conversion made with other settings or another "
-                    "source; rerun without --resume to start over")
-            fresh = False
-        else:
-            warn(f"removing an unfinished conversion at {partial} (pass --resume to continue it)")
-            shutil.rmtree(partial)
-    elif spec.resume:
-        warn(f"nothing to resume at {partial}; starting from the beginning")
-    if fresh:
-        try:
-            partial.mkdir(parents=True)
-        except OSError as e:
-            raise OutputError(f"{partial}: cannot create the output folder ({e.strerror}); "
-                              "choose another OUT") from e
-        write_json(partial / PLAN_FILE, {"plan_hash": plan_hash, "tq_version": __version__})
-
+    if comm.rank == 0:
+        fresh = _open_partial(partial, plan_hash, spec.resume, warn)
+    fresh = comm.broadcast(fresh)
     writer = ShardWriter(partial, plan.layout)
-    journal = Journal(partial)
-    try:
-        writer.open(create=True)  # on resume: headers and sizes rewritten, data kept
-    except OSError as e:
-        raise OutputError(f"{e.filename or partial}: cannot write ({e.strerror})") from e
+    journal = Journal(partial, comm.rank)
+    done: dict[str, dict] = {}
+    todo: list[TensorPlan] = []
     try:
         try:
-            if not fresh:
-                done = _unchanged_inputs(verified(journal, writer), model, partial)
-                journal.rewrite(list(done.values()))  # drop unverified and cut lines
-            rotations = _write_rotations(plan, writer, journal, done)
+            if comm.rank == 0:
+                try:
+                    writer.open(create=True)  # on resume: headers and sizes rewritten, data kept
+                except OSError as e:
+                    raise OutputError(f"{e.filename or partial}: cannot write "
+                                      f"({e.strerror})") from e
+                if not fresh:
+                    done = _unchanged_inputs(verified(journal, writer), model, partial)
+                    journal.rewrite(list(done.values()))  # drop unverified and cut lines
+            rotations = {rid: make_rotation(rp.spec, rp.n, rp.block)
+                         for rid, rp in plan.rotations.items()}
+            if comm.rank == 0:
+                _write_rotations(plan, rotations, writer, journal, done)
+            comm.barrier()
+            if comm.rank > 0:
+                writer.open(create=False)
+            done = comm.broadcast(done)
             todo = [t for t in plan.tensors if t.info.name not in done]
-            for fin in stream(todo, writer, rotations, device, spec.allow_nonfinite, warn,
+            mine = _this_rank(todo, calib, comm, partial, calib_record, fresh)
+            for fin in stream(mine, writer, rotations, device, spec.allow_nonfinite, warn,
                               calib):
                 entry = {"tensor": fin.plan.info.name, "digests": fin.digests,
                          "record": fin.record}
@@ -169,39 +175,114 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
                 done[fin.plan.info.name] = entry
                 if progress:
                     progress(fin, fin.plan.info.nbytes)
+            if calib is not None and isinstance(calib.calibration, StreamedCalibration):
+                calib.calibration.finish()  # the stages other ranks still need
         finally:
             writer.close()
     except TqError:
         # The input is at fault (a NaN, a damaged shard): resuming cannot help, so a
         # partial folder this run started is removed. An OSError (disk full) or an
         # interrupt keeps it for --resume, and so does a run that was itself resuming.
-        if fresh:
+        if fresh and comm.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         raise
+    if comm.world > 1:
+        comm.barrier()
+        for part in comm.all_gather({k: v for k, v in done.items()} if comm.rank else {}):
+            done.update(part)
+        if comm.rank > 0:
+            result = comm.broadcast(None)
+            assert isinstance(result, ConvertResult)
+            return result
+        journal.rewrite(list(done.values()))
+    shutil.rmtree(partial / STATES_DIR, ignore_errors=True)
     resumed = sum(1 for t in plan.tensors if t.info.name in done) - len(todo)
     for note in fallbacks:
         warn(note)
     result = finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
                      max(resumed, 0), warnings, provenance)
     result.check_seconds = planned.check_seconds
+    if comm.world > 1:
+        comm.broadcast(result)
     return result
 
 
+def _open_partial(partial: Path, plan_hash: str, resume: bool,
+                  warn: Callable[[str], None]) -> bool:
+    """Make (or, with `resume`, keep) the partial output folder; True: a fresh one."""
+    if partial.exists():
+        if resume:
+            old = read_plan_hash(partial)
+            if old != plan_hash:
+                raise OutputError(
+                    f"{partial}: an unfinished conversion made with other settings or another "
+                    "source; rerun without --resume to start over")
+            return False
+        warn(f"removing an unfinished conversion at {partial} (pass --resume to continue it)")
+        shutil.rmtree(partial)
+    elif resume:
+        warn(f"nothing to resume at {partial}; starting from the beginning")
+    try:
+        partial.mkdir(parents=True)
+    except OSError as e:
+        raise OutputError(f"{partial}: cannot create the output folder ({e.strerror}); "
+                          "choose another OUT") from e
+    write_json(partial / PLAN_FILE, {"plan_hash": plan_hash, "tq_version": __version__})
+    return True
+
+
+def _this_rank(todo: list[TensorPlan], calib: CalibOptions | None, comm: Comm,
+               partial: Path, calib_record: dict | None, fresh: bool) -> list[TensorPlan]:
+    """This rank's tensors, in the order the conversion takes them. With a streamed
+    calibration the order is block by block (a block's Hessians are quantized from and
+    released before the next block runs), the stages every rank runs are those any
+    tensor needs, and the inputs of the last blocks are kept under the partial folder so
+    that a resumed conversion starts at the block it was in."""
+    streamed = calib.calibration if calib is not None and isinstance(
+        calib.calibration, StreamedCalibration) else None
+    if streamed is not None:
+        todo = sorted(todo, key=lambda t: streamed.order_key(t.info.name))
+    mine = assign(todo, comm, streamed.order_key if streamed is not None else None)
+    if streamed is not None:
+        def keys(tensors: list[TensorPlan]) -> set[str]:
+            return {k for t in tensors if t.quant is not None and not t.head
+                    for k in [streamed.group(t.info.name)] if k is not None}
+
+        tag = json.dumps(calib_record, sort_keys=True, default=str)
+        states = BlockStates(partial / STATES_DIR, tag, comm)
+        if fresh:
+            shutil.rmtree(partial / STATES_DIR, ignore_errors=True)
+        streamed.plan(keys(todo), keys(mine), states)
+    return mine
+
+
 def _calibration(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.ExitStack,
-                 warn: Callable[[str], None]) -> tuple[CalibOptions | None, dict | None]:
+                 warn: Callable[[str], None],
+                 comm: Comm) -> tuple[CalibOptions | None, dict | None]:
     """The calibration GPTQ uses, if any, and the manifest's record of it. Self-calibration
-    (the default, or --synthetic-calib N) is made first from random tokens, from the same
-    plan, in a temporary folder `scratch` removes; by default, a model it cannot run (no
+    (the default, or --synthetic-calib N) runs the model on random tokens (its text in a
+    temporary folder `scratch` removes) block by block as the conversion asks
+    (`StreamedCalibration`); only --target-bits, which measures every tensor before any is
+    written, makes a whole calibration file first. By default, a model it cannot run (no
     transformers, no tokenizer, no stack of blocks) gets the weight-only fit and a note."""
     from tq_cli.io.calibration import read_calibration
 
     gptq = {"damp": spec.damp, "act_order": spec.act_order}
     tokens = spec.self_calib_tokens
     if tokens:
-        from tq_cli.calibration.random_tokens import synthetic_calibration
+        from tq_cli.calibration.random_tokens import synthetic_calibration, synthetic_run
+        from tq_cli.calibration.stream import StreamedCalibration
 
         folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="tq-synth-")))
         try:
+            if spec.target_bits is None:
+                run, record = synthetic_run(planned, tokens, spec.rotation.seed, folder,
+                                            spec.device, comm)
+                streamed = StreamedCalibration(run, check=lambda g: g.check(planned.recipe))
+                return CalibOptions(streamed, spec.damp, spec.act_order), record | gptq
+            if comm.world > 1:
+                raise UnsupportedError("--target-bits under torchrun: not supported yet; run "
+                                       "it in one process")
             path, record = synthetic_calibration(planned, tokens, spec.rotation.seed, folder,
                                                  spec.device)
         except (SourceError, UnsupportedError) as e:
@@ -225,12 +306,10 @@ def _calibration(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.
     return CalibOptions(calibration, spec.damp, spec.act_order), record
 
 
-def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
-                     done: dict[str, dict]) -> dict[str, Rotation]:
-    rotations: dict[str, Rotation] = {}
-    for rid, rp in plan.rotations.items():
-        rot = make_rotation(rp.spec, rp.n, rp.block)
-        rotations[rid] = rot
+def _write_rotations(plan: Plan, rotations: dict[str, Rotation], writer: ShardWriter,
+                     journal: Journal, done: dict[str, dict]) -> None:
+    for rid in plan.rotations:
+        rot = rotations[rid]
         name = f"{ROTATION_PREFIX}{rid}"
         if name in done:
             continue
@@ -244,7 +323,6 @@ def _write_rotations(plan: Plan, writer: ShardWriter, journal: Journal,
         entry = {"tensor": GUARD, "digests": digests, "record": {"action": "rotation"}}
         journal.append(entry)
         done[GUARD] = entry
-    return rotations
 
 
 def _unchanged_inputs(done: dict[str, dict], model: SourceModel,

@@ -21,6 +21,7 @@ import torch
 from tq_cli.io.safetensors_reader import DTYPES, TORCH_TO_ST, TensorInfo, copy_tensor_bytes
 
 JOURNAL = ".tq-journal.jsonl"
+RANK_JOURNAL = ".tq-journal.rank"  # + N.jsonl: rank N's, under torchrun
 
 
 @dataclass(frozen=True)
@@ -179,27 +180,39 @@ def file_sha256(path: Path) -> str:
 
 
 class Journal:
-    """Append-only record of finished source tensors, one JSON object a line."""
+    """Append-only record of finished source tensors, one JSON object a line. Under
+    torchrun each rank appends to its own file; rank 0 reads them all and merges them
+    into the one journal (`rewrite`)."""
 
-    def __init__(self, folder: Path) -> None:
-        self.path = folder / JOURNAL
+    def __init__(self, folder: Path, rank: int = 0) -> None:
+        self.folder, self.rank = folder, rank
+        self.path = folder / (JOURNAL if rank == 0 else f"{RANK_JOURNAL}{rank}.jsonl")
+
+    def _paths(self) -> list[Path]:
+        if self.rank != 0:
+            return [self.path]
+        return [self.path, *sorted(self.folder.glob(f"{RANK_JOURNAL}*.jsonl"))]
 
     def read(self) -> list[dict]:
-        if not self.path.exists():
-            return []
         out = []
-        for line in self.path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                break  # a line cut by a kill: everything after it is redone
+        for path in self._paths():
+            if not path.exists():
+                continue
+            for line in path.read_text().splitlines():
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    break  # a line cut by a kill: everything after it is redone
         return out
 
     def rewrite(self, entries: list[dict]) -> None:
-        """Replace the journal atomically, e.g. with only the entries that verified."""
+        """Replace the journal atomically, e.g. with only the entries that verified (rank
+        0: the other ranks' journals are merged into it and removed)."""
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(e) + "\n" for e in entries))
         os.replace(tmp, self.path)
+        for path in self._paths()[1:]:
+            path.unlink(missing_ok=True)
 
     def append(self, entry: dict) -> None:
         with open(self.path, "a") as f:

@@ -1,4 +1,5 @@
-"""Ranks for work split over processes: `torchrun` (gloo or nccl), or local `--jobs N`.
+"""Ranks for work split over processes: `torchrun` (gloo or nccl; `tq_cli.parallel`), or
+local `--jobs N`.
 
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) the process group
 is initialised from the environment. `--jobs N` starts N-1 local children with the
@@ -8,50 +9,17 @@ terminal the user launched from. Both use gloo on CPU, which needs no GPU.
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-TIMEOUT = datetime.timedelta(hours=12)  # a rank may be busy with a large tensor a long time
+from tq_cli.parallel import TIMEOUT, Comm, torchrun_comm
 
-
-@dataclass(frozen=True)
-class Comm:
-    """The ranks sharing one job. The single-process default gathers trivially."""
-
-    rank: int = 0
-    world: int = 1
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-
-def torchrun_comm() -> Comm | None:
-    """The Comm of this torchrun rank, or None when not launched by torchrun."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    import torch.distributed as dist
-
-    world = int(os.environ["WORLD_SIZE"])
-    if world == 1:
-        return Comm()
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and os.environ.get(
-            "TQ_DIST_BACKEND", "gloo") == "nccl" else "gloo"
-        dist.init_process_group(backend, timeout=TIMEOUT)
-    return Comm(dist.get_rank(), dist.get_world_size())
+__all__ = ["Comm", "run_local", "torchrun_comm"]
 
 
 def _free_port() -> int:
