@@ -111,3 +111,93 @@ def test_resume_starts_at_the_block_it_was_in(llama4: Path, tmp_path: Path,
     assert not (out / STATES_DIR).exists() and not partial.exists()
     manifest = json.loads((out / "tq_manifest.json").read_text())
     assert manifest["shards"] == json.loads((fresh / "tq_manifest.json").read_text())["shards"]
+
+
+def _torchrun(*args: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", "tq_cli", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _one_process(*args: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "tq_cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _tensors(folder: Path) -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    out: dict[str, object] = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(p))
+    return out
+
+
+def test_two_gloo_ranks_convert_as_one_process(llama4: Path, tmp_path: Path) -> None:
+    """The ranks split the tensors (the fits are bit for bit a single process's, shown
+    with one calibration file) and the calibration tokens (the Hessians are summed in
+    another order, so the result equals one process's within float32 rounding)."""
+    import torch
+
+    args = ["--bits", "3", "--group-size", "32", "--device", "cpu", "--json"]
+    calib = tmp_path / "c.calib"
+    _one_process("calibrate", str(llama4), "-o", str(calib), "--samples", "4",
+                 "--seqlen", "64", "--json")
+    _torchrun("convert", str(llama4), "-o", str(tmp_path / "ranks-file"), "--calib",
+              str(calib), *args)
+    _one_process("convert", str(llama4), "-o", str(tmp_path / "one-file"), "--calib",
+                 str(calib), *args)
+    assert _shards(tmp_path / "ranks-file") == _shards(tmp_path / "one-file")
+    ranks, one = tmp_path / "ranks", tmp_path / "one"
+    _torchrun("convert", str(llama4), "-o", str(ranks), "--synthetic-calib", str(TOKENS),
+              *args)
+    _one_process("convert", str(llama4), "-o", str(one), "--synthetic-calib", str(TOKENS),
+                 *args)
+    assert not partial_path(ranks).exists() and not list(ranks.glob(".tq-journal*"))
+    a, b = _tensors(ranks), _tensors(one)
+    assert a.keys() == b.keys()
+    codes = [k for k in a if k.endswith(".codes")]
+    same = sum(int((a[k] == b[k]).sum()) for k in codes)  # type: ignore[index]
+    total = sum(a[k].numel() for k in codes)  # type: ignore[attr-defined]
+    assert same / total > 0.999
+    ma, mb = read_manifest(ranks), read_manifest(one)
+    assert ma["calibration"] == mb["calibration"]
+    for ta, tb in zip(ma["tensors"], mb["tensors"], strict=True):
+        assert ta["name"] == tb["name"] and ta["action"] == tb["action"]
+        for key in ("rel_error", "weighted_rel_error"):
+            if key in ta:
+                assert ta[key] == pytest.approx(tb[key], rel=5e-3), (ta["name"], key)
+    for k in a:
+        if k.endswith(".scales"):
+            torch.testing.assert_close(a[k].float(), b[k].float(),  # type: ignore[union-attr]
+                                       rtol=2e-2, atol=1e-4)
+
+
+def test_two_gloo_ranks_calibrate_as_one_process(llama4: Path, tmp_path: Path) -> None:
+    import torch
+
+    from tq_cli.io.calibration import read_calibration
+
+    args = ["--samples", "4", "--seqlen", "64", "--json"]
+    _torchrun("calibrate", str(llama4), "-o", str(tmp_path / "ranks.calib"), *args)
+    _one_process("calibrate", str(llama4), "-o", str(tmp_path / "one.calib"), *args)
+    a, b = read_calibration(tmp_path / "ranks.calib"), read_calibration(tmp_path / "one.calib")
+    assert a.meta["ranks"] == 2 and a.meta["tokens"] == b.meta["tokens"] == 256
+    assert a.tensors == b.tensors
+    for name in a.tensors:
+        assert a.tokens(name) == b.tokens(name)
+        ha, hb = a.hessian(name), b.hessian(name)
+        assert ha is not None and hb is not None
+        torch.testing.assert_close(ha, hb, rtol=1e-5, atol=1e-6)

@@ -110,8 +110,11 @@ def token_sequences(tokenizer: Any, text: Text, samples: int, seqlen: int,
 
 
 def calibrate(source: str | os.PathLike[str], out: str | os.PathLike[str], spec: CalibSpec,
-              progress: Progress | None = None, warn: Warn | None = None) -> CalibResult:
-    """Run SOURCE on calibration text block by block and write H per input group to OUT."""
+              progress: Progress | None = None, warn: Warn | None = None,
+              comm: Comm | None = None) -> CalibResult:
+    """Run SOURCE on calibration text block by block and write H per input group to OUT
+    (under torchrun, `comm`: each rank runs its share of the sequences, the sums are
+    all-reduced, rank 0 writes)."""
     from tq_cli.io.source import resolve_source
     from tq_cli.planning.prepare import plan_source
     from tq_cli.quant.spec import RotationSpec
@@ -121,7 +124,7 @@ def calibrate(source: str | os.PathLike[str], out: str | os.PathLike[str], spec:
         raise SourceError(f"{folder}: no config.json; tq calibrate needs it to build the model")
     # The tensors convert would quantize (rotation settings do not change which).
     planned = plan_source(folder, spec.recipe, rotation=RotationSpec(kind="none"))
-    return calibrate_planned(planned, out, spec, progress, warn)
+    return calibrate_planned(planned, out, spec, progress, warn, comm)
 
 
 def calibrate_planned(planned: PlannedSource, out: str | os.PathLike[str], spec: CalibSpec,

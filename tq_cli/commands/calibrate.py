@@ -59,7 +59,11 @@ def main(
     except ValidationError as e:
         raise usage_error(e, FLAGS) from None
 
-    with progress_bar() as bar:
+    from tq_cli.parallel import finish_comm, torchrun_comm
+
+    comm = torchrun_comm()  # under torchrun: the ranks share the sequences; rank 0 writes
+    rank0 = comm is None or comm.rank == 0
+    with progress_bar(enabled=rank0) as bar:
         tasks: list[TaskID] = []  # added at the first block, so an early error prints alone
 
         def on_block(done: int, total: int) -> None:
@@ -68,10 +72,16 @@ def main(
             bar.update(tasks[0], completed=done, total=total)
 
         def warn(msg: str) -> None:
-            warning(bar.console, msg)
+            if rank0:
+                warning(bar.console, msg)
 
         bound_heap_growth()  # 698 MB peak on SmolLM2 instead of 1,182, for 5 s of faults
-        result = calibrate(source, out, spec, progress=on_block, warn=warn)
+        try:
+            result = calibrate(source, out, spec, progress=on_block, warn=warn, comm=comm)
+        finally:
+            finish_comm(comm)
+    if not rank0:
+        return
     summary = result.summary()
     if as_json:
         emit_json(summary)

@@ -147,7 +147,11 @@ def main(
     calibrated = spec.calib is not None or spec.self_calib_tokens > 0
     if spec.calib is None:
         bound_heap_growth()
-    with tensor_progress() as bar:
+    from tq_cli.parallel import finish_comm, torchrun_comm
+
+    comm = torchrun_comm()  # under torchrun: this rank (rank 0 reports; all convert)
+    rank0 = comm is None or comm.rank == 0
+    with tensor_progress(enabled=rank0) as bar:
         tasks: dict[str, TaskID] = {}
 
         counts = {"done": 0, "total": 0}
@@ -165,9 +169,16 @@ def main(
                        description=f"tensors {counts['done']}/{counts['total']}")
 
         def log(msg: str) -> None:
-            warning(bar.console, msg)
+            if rank0:
+                warning(bar.console, msg)
 
-        result = convert(source, out, spec, on_plan=on_plan, progress=on_done, log=log)
+        try:
+            result = convert(source, out, spec, on_plan=on_plan, progress=on_done, log=log,
+                             comm=comm)
+        finally:
+            finish_comm(comm)
+    if not rank0:
+        return
     if as_json:
         emit_json(result.summary())
     else:
