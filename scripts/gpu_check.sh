@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU check (a few minutes on one H200): install, run the GPU-marked tests, then the
-# full benchmark on CUDA (kernels under CUDA graphs against F.linear fp16, with GB/s
+# One GPU check (about ten minutes on one H100 or H200): install, run the GPU-marked
+# tests, then the full benchmark on CUDA (kernels under CUDA graphs against F.linear fp16, with GB/s
 # against the device's bandwidth; conversion on the GPU). Results go to ${OUT:-gpu-results}.
 #
 # The lent GPU machine reaches no package index; it has python3 with torch, triton and
@@ -46,6 +46,12 @@ $PY scripts/bench_convert.py --synthetic llama-3.2-1b --layers 4 --device cuda \
 $PY scripts/bench_convert.py --synthetic llama-3.2-1b --layers 4 --device cpu \
   --json "$out/convert-cpu.json" 2>&1 | tee "$out/convert-cpu.txt"
 $PY -m pytest -q tests/test_native_fit.py -k cuda 2>&1 | tee "$out/fit_cuda_tests.txt"
+# The default (self-calibrated, streamed block by block) conversion at Llama-3-8B layer
+# shapes, 2 layers, on CUDA and on this machine's CPUs: time and peak host RSS.
+$PY scripts/bench_convert.py --synthetic llama-3-8b --layers 2 --device cuda \
+  --json "$out/convert-8b-cuda.json" 2>&1 | tee "$out/convert-8b-cuda.txt"
+$PY scripts/bench_convert.py --synthetic llama-3-8b --layers 2 --device cpu \
+  --json "$out/convert-8b-cpu.json" 2>&1 | tee "$out/convert-8b-cpu.txt"
 # GPTQ (the default conversion's fit) on the GPU against the native CPU loop: one
 # Llama-3-8B-sized layer (4096 x 4096) with a random Hessian, seconds per solve.
 $PY - <<'EOF' 2>&1 | tee "$out/gptq_cuda.txt"

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tq_cli"
 
 # Modules every part of the library may import; they import only each other.
-FOUNDATION = {"tq_cli.errors", "tq_cli.version", "tq_cli._lazy", "tq_cli.device"}
+FOUNDATION = {"tq_cli.errors", "tq_cli.version", "tq_cli._lazy", "tq_cli.device",
+              "tq_cli.parallel"}
 # Top-level modules besides the foundation: the face, the CLI and the demo's model.
 TOP = {"tq_cli.__main__", "tq_cli.app", "tq_cli.demo_model"}
 # What each package may import besides itself and the foundation: commands -> workflows

@@ -358,3 +358,14 @@ def test_inverse_factor_raises_the_damping_where_it_must() -> None:
     damped = h + 0.1 * float(torch.diagonal(h).mean()) * torch.eye(64, dtype=torch.float64)
     want = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
     assert torch.allclose(up.double(), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+def test_reverse_in_place_is_flip_of_both_dimensions() -> None:
+    from tq_cli.quant.gptq import _reverse_
+
+    for n in (1, 2, 3, 7, 64, 129):
+        x = torch.randn(n, n)
+        for chunk in (1, 3, 1 << 20):
+            y = x.clone()
+            ptr = y.data_ptr()
+            assert torch.equal(_reverse_(y, chunk), x.flip(0, 1)) and y.data_ptr() == ptr
