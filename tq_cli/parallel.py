@@ -3,7 +3,9 @@ split work over processes: `convert` and `calibrate` (calibration tokens and per
 fits) and `search-seed` (tensors).
 
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) the process group
-is initialised from the environment: gloo on CPU, nccl on CUDA when TQ_DIST_BACKEND=nccl.
+is initialised from the environment: gloo (the collectives move CPU tensors and objects),
+with nccl beside it for CUDA tensors when TQ_DIST_BACKEND=nccl; each local rank uses
+the GPU of its LOCAL_RANK.
 Multi-node is torchrun's own rendezvous (`--nnodes`, `--rdzv-endpoint`); nothing here
 knows about nodes.
 """
@@ -75,10 +77,15 @@ def torchrun_comm() -> Comm | None:
     import torch.distributed as dist
 
     world = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        # one GPU per local rank: `cuda` (--device auto) is then this rank's own
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     if world == 1:
         return Comm()
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and os.environ.get(
+        # The collectives here move CPU tensors and objects: gloo for those, nccl beside it
+        # for CUDA tensors when asked for.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and os.environ.get(
             "TQ_DIST_BACKEND", "gloo") == "nccl" else "gloo"
         dist.init_process_group(backend, timeout=TIMEOUT)
     return Comm(dist.get_rank(), dist.get_world_size())

@@ -255,9 +255,11 @@ def prepare_run(planned: PlannedSource, spec: CalibSpec, note: Warn,
     comm = comm or Comm()
     if comm.world > 1:
         meta["ranks"] = comm.world
-    return CalibRun(model, src, prefix, bpath, blocks, layers, modules, seqs,
-                    spec.batch_size, device, meta, _param_sources(model, list(src.tensors)),
-                    comm)
+    run = CalibRun(model, src, prefix, bpath, blocks, layers, modules, seqs,
+                   spec.batch_size, device, meta, _param_sources(model, list(src.tensors)),
+                   comm)
+    run.catch()
+    return run
 
 
 def _placed(model: nn.Module, names: list[str]) -> dict[str, Placement]:

@@ -59,6 +59,8 @@ class CalibRun:
     meta: dict[str, Any]
     sources: ParamSources | None
     comm: Comm = field(default_factory=Comm)
+    # block 0's (args, kwargs) per batch of this rank's sequences (`catch`)
+    inputs: list[tuple[tuple, dict]] | None = None
 
     @property
     def groups(self) -> list[InputGroup]:
@@ -83,14 +85,9 @@ class CalibRun:
         if not wanted:
             return
         first, last = min(wanted), max(wanted)
-        mine = self.seqs[self.comm.share(self.seqs.shape[0])]
+        inputs = self.inputs if self.inputs is not None else self.catch()
+        self.inputs = None  # the run's own from here: replaced block by block
         weights = BlockWeights(self.source, self.prefix, self.device, self.sources)
-        # The base model's weights outside the blocks: embeddings, and the final norm.
-        base: nn.Module = getattr(self.model, "base_model", self.model)
-        base_path = next(n for n, m in self.modules.items() if m is base)
-        weights.load(base, base_path, skip=self.bpath)
-        inputs = catch_block_inputs(self.model, self.blocks[0], mine, self.batch, self.device)
-        weights.release(base, keep=self.layers.tail_norm)
         start = 0
         if states is not None and first > 0:
             found = states.load(min(first, len(self.blocks)), inputs)
@@ -132,6 +129,24 @@ class CalibRun:
         if self.layers.tail_norm is not None:
             weights.release(self.layers.tail_norm)
 
+    @torch.no_grad()
+    def catch(self) -> list[tuple[tuple, dict]]:
+        """Block 0's inputs for this rank's sequences: the base model's weights outside
+        the blocks (embeddings, the final norm) read, the model run up to block 0 (a model
+        whose forward never gets there is refused here, before any block's work), the
+        weights released again but for the final norm."""
+        mine = self.seqs[self.comm.share(self.seqs.shape[0])]
+        weights = BlockWeights(self.source, self.prefix, self.device, self.sources)
+        base: nn.Module = getattr(self.model, "base_model", self.model)
+        base_path = next(n for n, m in self.modules.items() if m is base)
+        weights.load(base, base_path, skip=self.bpath)
+        try:
+            self.inputs = catch_block_inputs(self.model, self.blocks[0], mine, self.batch,
+                                             self.device)
+        finally:
+            weights.release(base, keep=self.layers.tail_norm)
+        return self.inputs
+
     def _reduced(self, groups: list[InputGroup]) -> list[InputGroup]:
         """The groups with their sums and counts summed over the ranks."""
         if self.comm.world == 1:
@@ -163,15 +178,18 @@ class BlockStates:
     def save(self, block: int, hidden: list[torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(exist_ok=True)  # in the partial folder, never recreating it
         path = self._path(block)
         tmp = path.with_suffix(".tmp")
         save_file({f"hidden.{j}": h.contiguous().cpu() for j, h in enumerate(hidden)}, tmp,
                   metadata={"tag": self.tag, "block": str(block)})
         tmp.replace(path)
-        for old in sorted(self.folder.glob(f"rank{self.rank}.block*.safetensors"))[
-                :-KEEP_STATES]:
-            old.unlink(missing_ok=True)
+        # this block and the one before it; any other (a later block's, left by an earlier
+        # run that got further) would outlive them
+        keep = {self._path(b).name for b in range(block - KEEP_STATES + 1, block + 1)}
+        for old in self.folder.glob(f"rank{self.rank}.block*.safetensors"):
+            if old.name not in keep:
+                old.unlink(missing_ok=True)
 
     def load(self, wanted: int,
              inputs: list[tuple[tuple, dict]]) -> tuple[int, list[torch.Tensor]] | None:

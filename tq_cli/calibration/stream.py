@@ -64,6 +64,13 @@ class StreamedCalibration:
         self._mine = self._needed if mine is None else set(mine)
         self._states = states
 
+    def keep(self, readers: dict[str, set[str]]) -> None:
+        """The groups this process keeps and, per group, the tensors that will read it
+        (its last reader takes the matrix itself; under torchrun or on resume that is
+        not every member of the group)."""
+        self._mine = set(readers)
+        self._members = {k: sorted(v) for k, v in readers.items()}
+
     @property
     def tensors(self) -> dict[str, str]:
         return dict(self._group)
@@ -103,12 +110,13 @@ class StreamedCalibration:
             self._until(key)
             if key in self._dropped:
                 raise TqError(f"'{tensor_name}': its calibration (group '{key}') was released "
-                              "with its block before the tensor asked for it")
+                              "before the tensor asked for it")
             if self._tokens.get(key, 0) == 0 or key not in self._ready:
                 return None
             served = self._served.setdefault(key, set())
             served.add(tensor_name)
             if served.issuperset(self._members.get(key, [tensor_name])):
+                self._dropped.add(key)  # handed over: a second ask is an error, not None
                 return self._ready.pop(key)
             return self._ready[key].clone()
 

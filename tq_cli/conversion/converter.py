@@ -120,6 +120,13 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     # that fails says one line, its error.
     fallbacks: list[str] = []
     calib, calib_record = _calibration(spec, planned, scratch, fallbacks.append, comm)
+    if comm.world > 1:
+        kinds = comm.all_gather(None if calib is None else type(calib.calibration).__name__)
+        if len(set(kinds)) > 1:
+            raise UnsupportedError(
+                f"the ranks disagree on the calibration ({', '.join(map(str, kinds))} by "
+                "rank): each rank needs the same transformers, tokenizer and source; see "
+                "the first rank's note")
     provenance: dict[str, Any] = {"seeds": planned.seeds_record} if planned.seeds_record else {}
     if calib_record is not None:
         provenance["calibration"] = calib_record
@@ -146,6 +153,7 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     journal = Journal(partial, comm.rank)
     done: dict[str, dict] = {}
     todo: list[TensorPlan] = []
+    mine: list[TensorPlan] = []
     try:
         try:
             if comm.rank == 0:
@@ -166,7 +174,7 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
                 writer.open(create=False)
             done = comm.broadcast(done)
             todo = [t for t in plan.tensors if t.info.name not in done]
-            mine = _this_rank(todo, calib, comm, partial, calib_record, fresh)
+            mine = _this_rank(todo, calib, comm, partial, calib_record)
             for fin in stream(mine, writer, rotations, device, spec.allow_nonfinite, warn,
                               calib):
                 entry = {"tensor": fin.plan.info.name, "digests": fin.digests,
@@ -188,8 +196,12 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
         raise
     if comm.world > 1:
         comm.barrier()
-        for part in comm.all_gather({k: v for k, v in done.items()} if comm.rank else {}):
+        mine_done = {t.info.name: done[t.info.name] for t in mine} if comm.rank else {}
+        for part, said in comm.all_gather((mine_done, warnings if comm.rank else [])):
             done.update(part)
+            for msg in said:
+                if msg not in warnings:
+                    warn(msg)  # another rank's note (a fallback, a clamped value)
         if comm.rank > 0:
             result = comm.broadcast(None)
             assert isinstance(result, ConvertResult)
@@ -232,27 +244,31 @@ def _open_partial(partial: Path, plan_hash: str, resume: bool,
 
 
 def _this_rank(todo: list[TensorPlan], calib: CalibOptions | None, comm: Comm,
-               partial: Path, calib_record: dict | None, fresh: bool) -> list[TensorPlan]:
+               partial: Path, calib_record: dict | None) -> list[TensorPlan]:
     """This rank's tensors, in the order the conversion takes them. With a streamed
     calibration the order is block by block (a block's Hessians are quantized from and
-    released before the next block runs), the stages every rank runs are those any
+    released before the next block runs; tensors without calibration, the head among
+    them, first, while nothing else is alive), the stages every rank runs are those any
     tensor needs, and the inputs of the last blocks are kept under the partial folder so
     that a resumed conversion starts at the block it was in."""
     streamed = calib.calibration if calib is not None and isinstance(
         calib.calibration, StreamedCalibration) else None
-    if streamed is not None:
-        todo = sorted(todo, key=lambda t: streamed.order_key(t.info.name))
-    mine = assign(todo, comm, streamed.order_key if streamed is not None else None)
-    if streamed is not None:
-        def keys(tensors: list[TensorPlan]) -> set[str]:
-            return {k for t in tensors if t.quant is not None and not t.head
-                    for k in [streamed.group(t.info.name)] if k is not None}
+    if streamed is None:
+        return assign(todo, comm)
 
-        tag = json.dumps(calib_record, sort_keys=True, default=str)
-        states = BlockStates(partial / STATES_DIR, tag, comm)
-        if fresh:
-            shutil.rmtree(partial / STATES_DIR, ignore_errors=True)
-        streamed.plan(keys(todo), keys(mine), states)
+    def readers(tensors: list[TensorPlan]) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for t in tensors:
+            key = streamed.group(t.info.name)
+            if t.quant is not None and not t.head and key is not None:
+                out.setdefault(key, set()).add(t.info.name)
+        return out
+
+    tag = json.dumps(calib_record, sort_keys=True, default=str)
+    streamed.plan(set(readers(todo)), states=BlockStates(partial / STATES_DIR, tag, comm))
+    todo = sorted(todo, key=lambda t: streamed.order_key(t.info.name))
+    mine = assign(todo, comm, streamed.order_key)
+    streamed.keep(readers(mine))
     return mine
 
 

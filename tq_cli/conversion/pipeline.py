@@ -166,6 +166,10 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
            calib: CalibOptions | None = None) -> Iterator[Finished]:
     """Convert `todo` and yield each tensor once its bytes are written."""
     stop = threading.Event()
+    # With calibration a fit takes seconds to minutes and a read a fraction of a second:
+    # one tensor read ahead of the fit keeps the fit fed, and more would only hold memory
+    # (three 8B MLP weights in float32 are 0.7 GB beside the fit's Hessians).
+    ahead = threading.Semaphore(1) if calib is not None else None
     q_read: queue.Queue = queue.Queue(maxsize=1)
     q_rot: queue.Queue = queue.Queue(maxsize=1)
     q_quant: queue.Queue = queue.Queue(maxsize=1)
@@ -181,6 +185,9 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
                     _put(q_read, Finished(tp, {key: digest}, {"action": "keep",
                                                               "source_sha256": digest}), stop)
                 else:
+                    while ahead is not None and not ahead.acquire(timeout=0.1):
+                        if stop.is_set():
+                            raise _Stop
                     t = read_tensor(tp.info)
                     _put(q_read, _Read(tp, t, tensor_sha256(t)), stop)
             _put(q_read, _END, stop)
@@ -238,6 +245,8 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
     def quant(item: object) -> object:
         if not isinstance(item, _Rotated):
             return item
+        if ahead is not None:
+            ahead.release()  # the next tensor may be read while this one is fitted
         assert item.plan.quant is not None
         t0 = time.perf_counter()
         name = item.plan.info.name
