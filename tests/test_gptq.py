@@ -369,3 +369,20 @@ def test_reverse_in_place_is_flip_of_both_dimensions() -> None:
             y = x.clone()
             ptr = y.data_ptr()
             assert torch.equal(_reverse_(y, chunk), x.flip(0, 1)) and y.data_ptr() == ptr
+
+
+def test_transpose_in_place_and_the_in_place_factor() -> None:
+    from tq_cli.quant.gptq import _transpose_
+
+    for n in (1, 5, 64, 130):
+        x = torch.randn(n, n)
+        for block in (1, 7, 1024):
+            y = x.clone()
+            assert torch.equal(_transpose_(y, block), x.T)
+    # potrf on the column-major view gives torch's own factor, bit for bit
+    a = torch.randn(300, 200)
+    h = a @ a.T / 200 + 0.1 * torch.eye(300)
+    low = h.clone()
+    low_t = low.T
+    torch.linalg.cholesky_ex(low_t, out=(low_t, torch.zeros((), dtype=torch.int32)))
+    assert torch.equal(_transpose_(low), torch.linalg.cholesky(h))

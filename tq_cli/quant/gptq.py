@@ -82,7 +82,7 @@ def _checked_hessian(h_rot: torch.Tensor, n: int, dev: torch.device,
     h = h_rot.to(dev, dtype)
     if not owned and h is h_rot:
         h = h.clone()
-    bad = int((~torch.isfinite(h)).sum())
+    bad = _nonfinite(h)
     if bad:
         raise CalibrationUnusableError(f"the calibration Hessian has {bad} non-finite entries")
     _symmetrise_(h)
@@ -99,6 +99,13 @@ def _checked_hessian(h_rot: torch.Tensor, n: int, dev: torch.device,
     dead = diag == 0
     h[dead, dead] = 1.0
     return h
+
+
+def _nonfinite(t: torch.Tensor, chunk_elements: int = 1 << 22) -> int:
+    """NaN and Inf entries of t, counted a block of rows at a time: isfinite of a whole
+    matrix makes |t| and two masks beside it (1.5 copies of a 14336-wide H)."""
+    rows = max(1, chunk_elements // max(1, t.shape[-1]))
+    return sum(int((~torch.isfinite(t[r:r + rows])).sum()) for r in range(0, t.shape[0], rows))
 
 
 def _symmetrise_(h: torch.Tensor, block: int = 1024) -> None:
@@ -131,18 +138,39 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
             frac = max(frac, 1e-6) * 10
         low = h.flip(0, 1)
         torch.diagonal(low).add_(frac * mean_diag)
-        torch.linalg.cholesky_ex(low, out=(low, info))  # in place: LAPACK's potrf
+        # LAPACK's potrf works on a column-major matrix: handed low itself (row-major),
+        # torch factors a column-major copy and copies it back (a second n x n at the
+        # conversion's peak); handed low.T, symmetric and column-major, it factors in
+        # place, leaving L^T in low's storage, transposed back in place.
+        low_t = low.T
+        torch.linalg.cholesky_ex(low_t, out=(low_t, info))
+        del low_t
+        _transpose_(low)
         if int(info) != 0:
             del low
             continue
         _invert_lower_(low)
         up = _reverse_(low.float())  # J L^-1 J in place: no third n x n
         del low
-        if bool(torch.isfinite(up).all()) and bool((torch.diagonal(up) > 0).all()):
+        if _nonfinite(up) == 0 and bool((torch.diagonal(up) > 0).all()):
             return up
     raise CalibrationUnusableError(
         f"the calibration Hessian [{n}x{n}] is not positive definite "
         f"even with damping {frac:g} x its mean diagonal (Cholesky failed)")
+
+
+def _transpose_(t: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """t.T in place for a contiguous square matrix, a pair of blocks at a time."""
+    n = t.shape[0]
+    for i in range(0, n, block):
+        d = t[i:i + block, i:i + block]
+        d.copy_(d.T.clone())
+        for j in range(i + block, n, block):
+            a, b = t[i:i + block, j:j + block], t[j:j + block, i:i + block]
+            keep = a.clone()
+            a.copy_(b.T)
+            b.copy_(keep.T)
+    return t
 
 
 def _reverse_(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
@@ -175,22 +203,27 @@ def _invert_lower_(low: torch.Tensor, leaf: int = 512) -> None:
     a, b, c = low[:k, :k], low[k:, k:], low[k:, :k]
     _invert_lower_(a, leaf)
     _invert_lower_(b, leaf)
-    c.copy_(b @ (c @ a)).neg_()
+    torch.matmul(b, c @ a, out=c)  # into C's own rows: one (n/2)^2 temporary, not two
+    c.neg_()
 
 
 @dataclass
 class _Solved:
-    """One GPTQ pass, in the original column order."""
+    """One GPTQ pass, in the original column order: the codes and W_hat, or for a first
+    pass only where its largest losses are."""
 
-    codes: torch.Tensor  # uint8 [out, n]
-    w_hat: torch.Tensor  # float32 [out, n], outliers included
-    loss: torch.Tensor | None  # float32 [n, out] in processing order: err^2 / d_jj^2
+    codes: torch.Tensor | None  # uint8 [out, n]
+    w_hat: torch.Tensor | None  # float32 [out, n], outliers included
+    top: torch.Tensor | None = None  # sorted flat idx into [out, n] of the top_k losses
 
 
 def _solve(w: torch.Tensor, up: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
            group_size: int, order: torch.Tensor, outliers: torch.Tensor, block_size: int,
-           want_loss: bool, native: bool | None = None) -> _Solved:
+           top_k: int = 0, native: bool | None = None) -> _Solved:
     """One GPTQ pass over the columns in `order` (GPTQ Algorithm 1, lazy batch updates).
+    With `top_k` > 0 it is the first pass, which keeps only the positions of the top_k
+    largest GPTQ losses err^2 / d_jj^2 (merged block by block: no [out, n] loss matrix,
+    and with the native loop no codes or W_hat either).
 
     Works on W^T so a column is a contiguous row; every step is vectorised over the
     weight's rows. At `outliers` (flat idx into [out, n]) the dequantized value is the
@@ -210,9 +243,12 @@ def _solve(w: torch.Tensor, up: torch.Tensor, scales: torch.Tensor, codebook: to
     gcol = (order // group_size).tolist()
     mids = (codebook[1:] + codebook[:-1]) / 2
     diag = torch.diagonal(up).tolist()
-    codes_t = torch.empty(n, out, dtype=torch.uint8, device=dev)
-    qt = torch.empty(n, out, dtype=torch.float32, device=dev)
-    loss_t = torch.empty(n, out, dtype=torch.float32, device=dev) if want_loss else None
+    scratch = top_k > 0 and native  # the first pass keeps no codes: one block's buffers
+    rows_t = block_size if scratch else n
+    codes_t = torch.empty(rows_t, out, dtype=torch.uint8, device=dev)
+    qt = torch.empty(rows_t, out, dtype=torch.float32, device=dev)
+    top_v = torch.empty(0, dtype=torch.float32, device=dev)
+    top_i = torch.empty(0, dtype=torch.long, device=dev)
     # The outliers' rows, by the processing position of their column.
     per_col: dict[int, torch.Tensor] = {}
     if outliers.numel():
@@ -237,21 +273,26 @@ def _solve(w: torch.Tensor, up: torch.Tensor, scales: torch.Tensor, codebook: to
         if native:
             from tq_kernels import fit
 
+            rows = slice(0, i2 - i1) if scratch else slice(i1, i2)
             fit.gptq_block_(w1, u1.contiguous(), st, gall[i1:i2], codebook,
-                            None if mask is None else mask[i1:i2], codes_t[i1:i2],
-                            qt[i1:i2], e1)
+                            None if mask is None else mask[i1:i2], codes_t[rows],
+                            qt[rows], e1)
         else:
             _block_loop(w1, u1, e1, i1, st, st_safe, gcol, mids, codebook, per_col, diag,
                         codes_t, qt)
-        if loss_t is not None:
-            loss_t[i1:i2] = e1 * e1
+        if top_k:
+            top_v, top_i = _merge_top(top_v, top_i, (e1 * e1).reshape(-1), i1 * out, top_k)
         if i2 < n:
             wt[i2:].addmm_(up[i1:i2, i2:].T, e1, alpha=-1)
+    del wt
+    if top_k:
+        cols = order[top_i // out]
+        return _Solved(None, None, torch.sort((top_i % out) * n + cols).values)
     codes = torch.empty(out, n, dtype=torch.uint8, device=dev)
     codes[:, order] = codes_t.T
     w_hat = torch.empty(out, n, dtype=torch.float32, device=dev)
     w_hat[:, order] = qt.T
-    return _Solved(codes, w_hat, loss_t)
+    return _Solved(codes, w_hat)
 
 
 def _block_loop(w1: torch.Tensor, u1: torch.Tensor, e1: torch.Tensor, i1: int,
@@ -276,12 +317,21 @@ def _block_loop(w1: torch.Tensor, u1: torch.Tensor, e1: torch.Tensor, i1: int,
             w1[i + 1:].addr_(u1[i, i + 1:], e1[i], alpha=-1)
 
 
-def _top_loss(loss_t: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted flat idx into [out, n] of the k largest GPTQ losses (processing layout)."""
-    n, out = loss_t.shape
-    top = torch.topk(loss_t.reshape(-1), k).indices
-    cols = order[top // out]
-    return torch.sort((top % out) * n + cols).values
+def _merge_top(vals: torch.Tensor, idx: torch.Tensor, block: torch.Tensor, offset: int,
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of (vals at idx) and (block at offset + its positions): the top k of
+    a union is the top k of the parts' top k, so a pass keeps k entries, not [n, out]."""
+    if block.numel() > k:
+        part = torch.topk(block, k)
+        bv, bi = part.values, part.indices + offset
+    else:
+        bv = block
+        bi = torch.arange(offset, offset + block.numel(), device=block.device)
+    v, i = torch.cat([vals, bv]), torch.cat([idx, bi])
+    if v.numel() > k:
+        keep = torch.topk(v, k).indices
+        v, i = v[keep], i[keep]
+    return v, i
 
 
 def _group_sum(x: torch.Tensor, g: int, groups: int) -> torch.Tensor:
@@ -314,6 +364,8 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
     """
     out, n = w.shape
     groups = scales.shape[1]
+    assert res.codes is not None and res.w_hat is not None, "a first pass has no codes"
+    codes, fed = res.codes, res.w_hat
     dt = h.dtype
     hit = torch.zeros(out * n, dtype=torch.bool, device=w.device)
     hit[outliers] = True
@@ -327,14 +379,14 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
     num = den = 0.0
     for r0 in range(0, out, rows):
         r1 = min(r0 + rows, out)
-        a = torch.where(hit[r0:r1], 0.0, cbh[res.codes[r0:r1].long()])
+        a = torch.where(hit[r0:r1], 0.0, cbh[codes[r0:r1].long()])
         wr = w[r0:r1].to(dt)
         wh = wr @ h
         den += float((wh * wr).sum(dtype=torch.float64))
         sel = (o_rows >= r0) & (o_rows < r1)
         orow, ocol = o_rows[sel] - r0, o_cols[sel]
         if orow.numel():  # H (w - f): f the outliers' error-fed values, sparse
-            f = res.w_hat[r0:r1][orow, ocol].to(dt)
+            f = fed[r0:r1][orow, ocol].to(dt)
             wh -= _sparse_rows(orow, ocol, f, r1 - r0, n) @ h
         b = _group_sum(a * wh, g, groups).double()
         del wh
@@ -359,8 +411,8 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
         new[r0:r1] = torch.where(ok[:, None], s_new.float(), scales[r0:r1])
         # The stored W_hat of these rows, exactly as `dequantize_rotated` computes it, and
         # its weighted error.
-        w_hat = codebook[res.codes[r0:r1].long()] * new[r0:r1].repeat_interleave(g, 1)[:, :n]
-        v = (res.w_hat[r0:r1][orow, ocol] - w_hat[orow, ocol]).half()
+        w_hat = codebook[codes[r0:r1].long()] * new[r0:r1].repeat_interleave(g, 1)[:, :n]
+        v = (fed[r0:r1][orow, ocol] - w_hat[orow, ocol]).half()
         vals[sel.nonzero()[:, 0]] = v
         w_hat[orow, ocol] += v.float()
         w_hat_all[r0:r1] = w_hat
@@ -452,20 +504,24 @@ def fit_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
     outliers = torch.empty(0, dtype=torch.long, device=dev)
     if k:
         first = _solve(w, up, scales, codebook, spec.group_size, order, outliers,
-                       block_size, want_loss=True)
-        assert first.loss is not None
-        outliers = _top_loss(first.loss, order, k)
-        del first
-    res = _solve(w, up, scales, codebook, spec.group_size, order, outliers, block_size,
-                 want_loss=False)
+                       block_size, top_k=k)
+        assert first.top is not None
+        outliers = first.top
+    res = _solve(w, up, scales, codebook, spec.group_size, order, outliers, block_size)
+    assert res.codes is not None
+    codes = res.codes
     scales, w_hat, vals, num, den = _refit_scales(w, res, scales, codebook, h, outliers,
                                                   spec.group_size)
-    err = float(torch.linalg.vector_norm(w - w_hat, dtype=torch.float64)) ** 2
+    del res  # its W_hat, before the refit's own
+    rows = max(1, CHUNK_ELEMENTS // max(1, n))  # no third [out, n] for the difference
+    err = sum(float(torch.linalg.vector_norm(w[r:r + rows] - w_hat[r:r + rows],
+                                             dtype=torch.float64)) ** 2
+              for r in range(0, out, rows))
     norm = float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
     del w_hat
     q = QuantizedTensor(
         shape=(out, n), spec=spec, rotation=rotation,
-        codes=pack_codes(res.codes, spec.bits).cpu(),
+        codes=pack_codes(codes, spec.bits).cpu(),
         scales=scales.half().cpu(), codebook=codebook.float().cpu(),
         outlier_idx=outliers.to(torch.int32).cpu(), outlier_val=vals.cpu(),
         rel_error=err / norm if norm > 0 else 0.0,
