@@ -36,6 +36,7 @@ from tq_cli.quant.grouped import (
     rotate_owned,
     scan_values,
     set_fit_threads,
+    sq_norm,
 )
 from tq_cli.quant.head import finish_head
 from tq_cli.quant.rotation import Rotation
@@ -252,7 +253,7 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         name = item.plan.info.name
         norm = None
         if item.col_scale is _UNSCALED:
-            norm = float(torch.linalg.vector_norm(item.w_rot, dtype=torch.float64) ** 2)
+            norm = sq_norm(item.w_rot)
             item.col_scale = sinkhorn_columns(item.w_rot)
             item.w_rot = rotate_owned(item.w_rot.div_(item.col_scale), item.rotation)
         head = item.plan.head  # the weight-only fit on the head's grid (tq_cli.quant.head)
@@ -266,9 +267,8 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
             norm0 = float(torch.linalg.vector_norm(w0, dtype=torch.float64))
             res = replace(res, q=replace(res.q, rel_error=(err / norm0) ** 2 if norm0 else 0.0))
         if res.q.rel_error > MAX_REL_ERROR and item.original is None:
-            rms = math.sqrt((norm if norm is not None else
-                             float(torch.linalg.vector_norm(item.w_rot, dtype=torch.float64)
-                                   ** 2)) / max(1, item.w_rot.numel()))
+            rms = math.sqrt((norm if norm is not None else sq_norm(item.w_rot))
+                            / max(1, item.w_rot.numel()))
             tiny = (f"; its values (RMS {rms:.2g}) are below what fp16 group scales resolve"
                     if rms < TINY_RMS else "")
             raise UnsupportedError(

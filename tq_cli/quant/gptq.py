@@ -27,6 +27,7 @@ from tq_cli.quant.grouped import (
     fit_grid,
     native_available,
     outlier_count,
+    sq_norm,
 )
 from tq_cli.quant.rotation import Rotation
 from tq_cli.quant.spec import QuantSpec
@@ -517,7 +518,7 @@ def fit_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
     err = sum(float(torch.linalg.vector_norm(w[r:r + rows] - w_hat[r:r + rows],
                                              dtype=torch.float64)) ** 2
               for r in range(0, out, rows))
-    norm = float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
+    norm = sq_norm(w)
     del w_hat
     q = QuantizedTensor(
         shape=(out, n), spec=spec, rotation=rotation,

@@ -16,7 +16,13 @@ from dataclasses import replace
 
 import torch
 
-from tq_cli.quant.grouped import QuantizedTensor, dequantize, dequantize_rows, row_blocks
+from tq_cli.quant.grouped import (
+    QuantizedTensor,
+    dequantize,
+    dequantize_rows,
+    row_blocks,
+    sq_norm,
+)
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels.reference import dequantize_codes
 from tq_kernels.rotation import hadamard_unrotate
@@ -80,7 +86,7 @@ def finish_head(q: QuantizedTensor, w: torch.Tensor | None = None,
     else:
         err = float(torch.linalg.vector_norm(w.float() - dequantize(q).to(w.device),
                                              dtype=torch.float64))
-    norm = float(torch.linalg.vector_norm(w, dtype=torch.float64))
+    norm = math.sqrt(sq_norm(w))
     return replace(q, rel_error=(err / norm) ** 2 if norm else 0.0)
 
 
