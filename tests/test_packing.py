@@ -34,3 +34,13 @@ def test_layout_is_little_endian_planes() -> None:
 def test_unpack_rejects_wrong_row_length() -> None:
     with pytest.raises(ValueError, match="4 bytes, expected 3 for 8 codes of 3 bits"):
         unpack_codes(torch.zeros(1, 4, dtype=torch.uint8), 3, 8)
+
+
+def test_packing_by_row_blocks_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tq_kernels import packing
+
+    codes = torch.randint(0, 16, (37, 300), dtype=torch.uint8)
+    whole = packing.pack_codes(codes, 4)
+    monkeypatch.setattr(packing, "PACK_CHUNK_ELEMENTS", 5 * 320)
+    assert torch.equal(packing.pack_codes(codes, 4), whole)
+    assert torch.equal(packing.unpack_codes(whole, 4, 300), codes)

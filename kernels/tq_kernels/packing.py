@@ -41,12 +41,20 @@ def _planes(bits: int) -> tuple[int, ...]:
     return PLANES[bits]
 
 
+PACK_CHUNK_ELEMENTS = 1 << 22
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes [rows, n] (each < 2**bits) into uint8 [rows, packed_row_bytes]."""
     if codes.dim() != 2:
         raise ValueError(f"codes must be 2-D, got shape {tuple(codes.shape)}")
     rows, n = codes.shape
     npad = padded_length(n)
+    block = max(1, PACK_CHUNK_ELEMENTS // max(1, npad))
+    if rows > block:  # a block of rows at a time: the int32 and int64 temporaries of a
+        # whole 4096 x 14336 tensor are about 1 GB
+        return torch.cat([pack_codes(codes[r:r + block], bits)
+                          for r in range(0, rows, block)])
     c = torch.zeros(rows, npad, dtype=torch.int32, device=codes.device)
     c[:, :n] = codes.to(torch.int32)
     out = []

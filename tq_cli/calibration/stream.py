@@ -26,6 +26,8 @@ from tq_cli.errors import TqError
 class StreamedCalibration:
     """The calibration file's interface over a run advanced block by block."""
 
+    asks_again = False  # each tensor asks once: the fit keeps no prepared H' for it
+
     def __init__(self, run: CalibRun, needed: set[str] | None = None,
                  mine: set[str] | None = None, states: BlockStates | None = None,
                  check: Any = None) -> None:

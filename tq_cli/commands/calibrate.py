@@ -29,9 +29,12 @@ EPILOG = """Examples:
 
   tq convert ./SmolLM2-135M -o smol-tq3 --bits 3 --calib smol.calib
 
+  torchrun --nproc-per-node 2 -m tq_cli calibrate ./SmolLM2-135M -o smol.calib
+
 The model runs one transformer block at a time, so memory is one block plus the
-calibration activations. Without --text the embedded calibration split of Python's
-pydoc topics is used (never the half tq eval scores on).
+calibration activations; under torchrun each rank runs a share of the sequences. Without
+--text the embedded calibration split of Python's pydoc topics is used (never the half tq
+eval scores on).
 """
 FLAGS = {"samples": "--samples", "seqlen": "--seqlen", "device": "--device",
          "batch_size": "--batch-size", "recipe": "--recipe", "text": "--text"}

@@ -38,6 +38,12 @@ EPILOG = """Examples:
   tq convert ./SmolLM2-135M -o ./smol-tq3 --bits 3 --group-size 64 --rotation orthogonal
 
   tq convert org/model -o out --recipe my-recipe.toml --json > summary.json
+
+  torchrun --nproc-per-node 2 -m tq_cli convert ./Llama-3-8B -o ./llama-tq4
+
+Under torchrun the ranks share the calibration tokens and the tensors of each block and
+write one checkpoint (across machines: the same command on each through torchrun's
+rendezvous, OUT on a file system every rank sees).
 """
 # Flags of convert's own fields; the shared quantization flags are named by tq_cli.conversion.flags.
 FLAGS = {

@@ -102,7 +102,9 @@ def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: R
 # A tensor whose columns are scaled has its own H' = diag(t) H diag(t), which no other
 # tensor reads: it is prepared in place on its own copy of H and kept in a slot of its
 # own only until another tensor asks (`--target-bits` fits one tensor at each width in a
-# row), the old entry dropped before the new one is made.
+# row), the old entry dropped before the new one is made; not at all where the
+# calibration says no tensor asks twice (`asks_again = False`: the streamed one), so it
+# goes with the fit (1.6 GB at n = 14336, alive while the tensor is packed and written).
 _PREPARED_LOCK = threading.Lock()
 _PREPARED_KEEP = 2
 # The precision of a conversion's Hessian work (rotation, Cholesky, the scale refit), as in
@@ -128,8 +130,9 @@ def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.devi
         prepared = prepare_hessian(rotate_hessian_(scale_hessian_(h, col_scale), rotation),
                                    damp=calib.damp, act_order=calib.act_order,
                                    device=device, owned=True)
-        with _PREPARED_LOCK:
-            slot[scaled_key] = prepared
+        if getattr(calib.calibration, "asks_again", True):
+            with _PREPARED_LOCK:
+                slot[scaled_key] = prepared
         return prepared
     group = calib.calibration.group(name)
     key = (group if group is not None else name, rotation.rotation_id, calib.damp,
