@@ -295,7 +295,7 @@ def test_rotate_hessian_in_place_is_r_t_h_r(kind: str, n: int) -> None:
 
 def test_inverse_factor_leaves_h_as_it_came() -> None:
     """U with U^T U = (H + damp mean(diag) I)^-1, upper triangular; H untouched."""
-    from tq_cli.quant.gptq import _inverse_cholesky
+    from tq_cli.quant.factor import _inverse_cholesky
 
     h = correlated_hessian(96, 1)
     before = h.clone()
@@ -344,7 +344,7 @@ def test_a_float32_hessian_fits_as_well_as_float64() -> None:
 def test_inverse_factor_raises_the_damping_where_it_must() -> None:
     """An H with an eigenvalue of -5% of its mean diagonal fails Cholesky at 1% damping and
     succeeds at 10%: the factor is that of (H + 0.1 mean(diag) I)^-1; H untouched."""
-    from tq_cli.quant.gptq import _inverse_cholesky
+    from tq_cli.quant.factor import _inverse_cholesky
 
     g = torch.Generator().manual_seed(7)
     q, _ = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))
@@ -361,7 +361,7 @@ def test_inverse_factor_raises_the_damping_where_it_must() -> None:
 
 
 def test_reverse_in_place_is_flip_of_both_dimensions() -> None:
-    from tq_cli.quant.gptq import _reverse_
+    from tq_cli.quant.factor import _reverse_
 
     for n in (1, 2, 3, 7, 64, 129):
         x = torch.randn(n, n)
@@ -372,7 +372,7 @@ def test_reverse_in_place_is_flip_of_both_dimensions() -> None:
 
 
 def test_transpose_in_place_and_the_in_place_factor() -> None:
-    from tq_cli.quant.gptq import _transpose_
+    from tq_cli.quant.factor import _transpose_
 
     for n in (1, 5, 64, 130):
         x = torch.randn(n, n)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tq_cli.quant import gptq
+from tq_cli.quant import factor, gptq
 from tq_cli.quant.grouped import dequantize_rotated, fit_grid
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec
@@ -34,7 +34,7 @@ def _problem(out: int, n: int, bits: int, group: int, seed: int = 0) -> dict:
     w = torch.randn(out, n, generator=g)
     x = torch.randn(3 * n, n, generator=g) * torch.linspace(0.2, 3.0, n)
     h = (x.T @ x).double() / x.shape[0]
-    up = gptq._inverse_cholesky(gptq._checked_hessian(h, n, CPU), 0.01)
+    up = factor._inverse_cholesky(factor._checked_hessian(h, n, CPU), 0.01)
     spec = QuantSpec(bits=bits, group_size=group)
     scales, codebook = fit_grid(w, spec, CPU)
     return {"w": w, "h": h, "up": up, "scales": scales, "codebook": codebook, "spec": spec}
