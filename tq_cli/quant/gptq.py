@@ -189,11 +189,12 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
     old scales unless the new (fp16-rounded) ones lower its weighted error.
 
     W_hat_r = A_r s_r + f_r with A_r[j, group(j)] = c[code_rj] is linear in the row's
-    scales s_r, so the optimum solves (A^T H A) s = A^T H (w - f): a groups x groups system
-    (solved in float64; the products in H's precision). The product w H serves both the
-    right-hand side (H f is one sparse product) and tr(W H W^T); the error's own product,
-    dW H, is taken directly rather than by expanding it, which would cancel to nothing at
-    8 bits. (A separate pass of two n x n products per row measured them before.)
+    scales s_r. With d the GPTQ result's error w - W_hat and p = H d (the one n x n product
+    per row), the step delta solves (A^T H A) delta = A^T p, a groups x groups system
+    solved in float64, and changes the error by delta^T (A^T H A) delta - 2 delta^T A^T p.
+    Both errors, and tr(W H W^T) = (d + W_hat) H (d + W_hat)^T, follow from p, A^T H A and
+    the outliers' sparse H f without a second product: taken from the error itself, not by
+    expanding W H W^T - 2 ..., which would cancel to nothing at 8 bits.
     """
     out, n = w.shape
     groups = scales.shape[1]
@@ -213,44 +214,57 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
     for r0 in range(0, out, rows):
         r1 = min(r0 + rows, out)
         a = torch.where(hit[r0:r1], 0.0, cbh[codes[r0:r1].long()])
-        wr = w[r0:r1].to(dt)
-        wh = wr @ h
-        den += float((wh * wr).sum(dtype=torch.float64))
-        sel = (o_rows >= r0) & (o_rows < r1)
-        orow, ocol = o_rows[sel] - r0, o_cols[sel]
-        if orow.numel():  # H (w - f): f the outliers' error-fed values, sparse
-            f = fed[r0:r1][orow, ocol].to(dt)
-            wh -= _sparse_rows(orow, ocol, f, r1 - r0, n) @ h
-        b = _group_sum(a * wh, g, groups).double()
-        del wh
+        d = (w[r0:r1] - fed[r0:r1]).to(dt)
+        p = d @ h  # H d, H symmetric
+        err = (d * p).sum(-1, dtype=torch.float64)  # d H d per row
+        grad = _group_sum(a * p, g, groups).double()  # A^T H d
+        cross = (fed[r0:r1].to(dt) * p).sum(-1, dtype=torch.float64)  # W_hat H d
+        del p
         m = torch.empty(r1 - r0, groups, groups, dtype=torch.float64, device=w.device)
         for gi in range(groups):
             c0, c1 = gi * g, min(gi * g + g, n)
             blk = _group_sum((a[:, c0:c1] @ h[c0:c1, c0:]) * a[:, c0:], g, groups - gi)
             m[:, gi, gi:] = blk
             m[:, gi + 1:, gi] = blk[:, 1:]
-        # A group with no coded entry (all outliers) has a zero row: pin its old scale.
-        empty = torch.diagonal(m, dim1=1, dim2=2) <= 0
         s_old = scales[r0:r1].double()
+        # W_hat H W_hat = s^T (A^T H A) s + 2 s^T A^T H f + f H f, f the outliers' values.
+        fit = (s_old * (m @ s_old[..., None])[..., 0]).sum(-1)
+        sel = (o_rows >= r0) & (o_rows < r1)
+        orow, ocol = o_rows[sel] - r0, o_cols[sel]
+        f = fed[r0:r1][orow, ocol]
+        if orow.numel():
+            hf = _sparse_rows(orow, ocol, f.to(dt), r1 - r0, n) @ h
+            fit += 2 * (s_old * _group_sum(a * hf, g, groups).double()).sum(-1)
+            fit += torch.zeros(r1 - r0, dtype=torch.float64, device=w.device).index_add_(
+                0, orow, (f.to(dt) * hf[orow, ocol]).double())
+            del hf
+        den += float((err + 2 * cross + fit).sum())
+        # A group with no coded entry (all outliers) has a zero row: its scale stays.
+        empty = torch.diagonal(m, dim1=1, dim2=2) <= 0
         ridge = 1e-12 * torch.diagonal(m, dim1=1, dim2=2).mean(-1).clamp(min=1e-300)
         lhs = m + torch.diag_embed(empty.double() + ridge[:, None])
-        s_ls, info = torch.linalg.solve_ex(lhs, torch.where(empty, s_old, b))
-        s_new = s_ls.clamp(-FP16_MAX, FP16_MAX).half().double()
-
-        def loss(s: torch.Tensor, m: torch.Tensor = m, b: torch.Tensor = b) -> torch.Tensor:
-            return (s * (m @ s[..., None])[..., 0]).sum(-1) - 2 * (s * b).sum(-1)
-
-        ok = (info == 0) & torch.isfinite(s_new).all(-1) & (loss(s_new) < loss(s_old))
+        step, info = torch.linalg.solve_ex(lhs, torch.where(empty, 0.0, grad))
+        s_new = (s_old + step).clamp(-FP16_MAX, FP16_MAX).half().double()
+        delta = s_new - s_old
+        gain = (delta * (m @ delta[..., None])[..., 0]).sum(-1) - 2 * (delta * grad).sum(-1)
+        ok = (info == 0) & torch.isfinite(s_new).all(-1) & (gain < 0)
         new[r0:r1] = torch.where(ok[:, None], s_new.float(), scales[r0:r1])
-        # The stored W_hat of these rows, exactly as `dequantize_rotated` computes it, and
-        # its weighted error.
+        err += torch.where(ok, gain, 0.0)
+        # The stored W_hat of these rows, exactly as `dequantize_rotated` computes it.
         w_hat = codebook[codes[r0:r1].long()] * new[r0:r1].repeat_interleave(g, 1)[:, :n]
-        v = (fed[r0:r1][orow, ocol] - w_hat[orow, ocol]).half()
+        v = (f - w_hat[orow, ocol]).half()
         vals[sel.nonzero()[:, 0]] = v
         w_hat[orow, ocol] += v.float()
         w_hat_all[r0:r1] = w_hat
-        d = (w[r0:r1] - w_hat).to(dt)
-        num += float(((d @ h) * d).sum(dtype=torch.float64))
+        if orow.numel():  # the outliers' values moved by their fp16 rounding: e -> e - df
+            df = (w_hat[orow, ocol] - f).to(dt)
+            hdf = _sparse_rows(orow, ocol, df, r1 - r0, n) @ h
+            e_mid = w[r0:r1].to(dt) - w_hat.to(dt)
+            e_mid[orow, ocol] += df  # the error before the outliers' rounding moved
+            err += torch.zeros_like(err).index_add_(0, orow, (df * hdf[orow, ocol]).double())
+            err -= 2 * (hdf * e_mid).sum(-1, dtype=torch.float64)
+            del hdf, e_mid
+        num += float(err.sum())
     return new, w_hat_all, vals, max(num, 0.0), den
 
 
