@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tq_cli.errors import UnsupportedError
+from tq_cli.errors import SourceError, UnsupportedError
 from tq_cli.io.format import Expert
 from tq_cli.io.safetensors_reader import FLOAT_DTYPES, SourceModel, open_source
 from tq_cli.io.source import resolve_source
@@ -120,6 +120,19 @@ def _say_kept(planned: PlannedSource, kept: dict[str, str]) -> None:
                              f"({share:.0%} of the weights), such as '{names[0]}': {why}")
 
 
+def _check_complete(planned: PlannedSource, skeleton: Any) -> None:
+    """The source holds exactly the model its config.json describes (tq_cli.runtime.
+    source_check), or a one-line SourceError naming the file and the tensor."""
+    from tq_cli.runtime.source_check import source_mismatch
+
+    found = source_mismatch(skeleton, planned.model.tensors)
+    if found is None:
+        return
+    where = (planned.model.tensors[found.tensor].file if found.tensor is not None
+             else planned.folder / "config.json")
+    raise SourceError(f"{where}: {found.message}")
+
+
 # What a VLM keeps by default, outside its language model (module_map.Placement.part).
 POLICY = {"vision": "the vision tower of an image-text model; pass --vision to convert it too",
           "other": "outside the language model and the vision tower of an image-text model "
@@ -167,6 +180,7 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool,
         planned.notes.append(f"not checked that each converted tensor loads back: {skipped}")
         return
     skeleton = build_in_folder(planned.folder, model.config)
+    _check_complete(planned, skeleton)
     placed = place(skeleton, planned.converted_names)
     where = head_placement(skeleton, list(model.tensors)) if head_bits is not None else None
     if not isinstance(where, str) and where is not None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from tq_cli.errors import UnsupportedError
+from tq_cli.errors import CorruptFileError, UnsupportedError
 from tq_cli.io.checkpoint import check_checkpoint
 from tq_cli.io.format import (
     ALL_SUFFIXES,
@@ -34,6 +35,7 @@ from tq_cli.io.format import (
 )
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import DTYPES, read_header
+from tq_cli.runtime.source_check import refuse_incomplete
 from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
 
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -169,6 +171,26 @@ def _place_experts(model: nn.Module, folder: Path, modules: dict[str, nn.Module]
                            "convert this model with a recipe that keeps them")
 
 
+def _refuse_random_init(model: nn.Module, folder: Path) -> None:
+    """transformers initialises at random what the checkpoint lacks, drops what the model
+    lacks, and only logs it. Its report, once it has applied the model's own exceptions
+    (`_adjust_missing_and_unexpected_keys`, wrapped on this instance for the one load), is
+    refused by name instead (tq_cli.runtime.source_check): a tq checkpoint loads whole or
+    not at all. Emptied first, so transformers' own report raises nothing over it."""
+    adjust = cast(Callable[[Any], None], model._adjust_missing_and_unexpected_keys)
+    cls = type(model).__name__
+
+    def checked(info: Any) -> None:
+        adjust(info)
+        why = refuse_incomplete(str(folder), cls, info)
+        if why is not None:
+            info.missing_keys, info.unexpected_keys = set(), set()
+            info.mismatched_keys = set()
+            raise CorruptFileError(why)
+
+    object.__setattr__(model, "_adjust_missing_and_unexpected_keys", checked)
+
+
 def link_rotations(model: nn.Module) -> None:
     """Point each TQLinear at its shared rotation material."""
     holder = getattr(model, "tq", None)
@@ -244,6 +266,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         # The checks tq_cli.load runs (once per folder per process); TQ_SKIP_CHECKSUMS=1
         # skips only the full sha256 read of the shards, never the structural checks.
         check_checkpoint(folder, verify_checksums=not os.environ.get("TQ_SKIP_CHECKSUMS"))
+        _refuse_random_init(model, folder)
         return prepare_model(model, folder, _headers(files))
 
     def update_weight_conversions(self, weight_conversions: list[Any],
@@ -276,7 +299,15 @@ class TurboQuantHfQuantizer(HfQuantizer):
         return out
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        model.__dict__.pop("_adjust_missing_and_unexpected_keys", None)
         link_rotations(model)
+        # The dtype the model runs in, as its kept parameters have it: what a converted
+        # weight's `.dtype` says (tq_cli.runtime.tq_linear.PackedWeight).
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                     torch.float32)
+        for m in model.modules():
+            if isinstance(m, TQLinear):
+                m.weight.set_dtype(dtype)
         return model
 
     def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

@@ -131,6 +131,8 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
         raise CorruptFileError(f"{folder}: tensors missing from the checkpoint: "
                                f"{', '.join(leftovers[:5])}")
     layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    for m in layers:
+        m.weight.set_dtype(dtype)
     converted = len(converted_entries(ck.manifest))
     if len(layers) != converted:
         # transformers would have initialised the missing layers at random: never return that.

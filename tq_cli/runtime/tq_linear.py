@@ -33,10 +33,48 @@ class PackedWeight(nn.Module):
     outlier_val: torch.Tensor
     col_scale: torch.Tensor  # only where the weight stores column scales
 
-    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 shape: tuple[int, int] = (0, 0)) -> None:
         super().__init__()
-        for name, (shape, dtype) in specs.items():
-            self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+        for name, (size, dtype) in specs.items():
+            self.register_buffer(name, torch.empty(size, dtype=dtype, device="meta"))
+        self.__dict__["logical"] = (torch.Size(shape), torch.float32)
+
+    # What a family's own code reads of a layer's weight (`lm_head.weight.dtype` to cast
+    # its input, `.shape`, `.device`) answers as the weight it stands for: its logical
+    # [out, in] shape, the dtype the model runs in (set on loading) and where the codes
+    # are. Arithmetic on it (`F.linear(x, w)`) is not supported: the layer runs it.
+    @property
+    def shape(self) -> torch.Size:
+        return self.__dict__["logical"][0]
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def dim(self) -> int:
+        return 2
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.__dict__["logical"][1]
+
+    def set_dtype(self, dtype: torch.dtype) -> None:
+        self.__dict__["logical"] = (self.shape, dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
 
 
 class RotationMaterial(nn.Module):
@@ -72,7 +110,7 @@ class TQLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size
-        self.weight = PackedWeight(specs)
+        self.weight = PackedWeight(specs, (out_features, in_features))
         if bias is not None:
             self.bias = nn.Parameter(torch.empty(bias[0], dtype=bias[1], device="meta"),
                                      requires_grad=False)
