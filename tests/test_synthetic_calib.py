@@ -163,24 +163,45 @@ def test_the_default_self_calibrates_and_the_manifest_says_which_fit(tiny_llama:
         "weight-only"}
 
 
-def test_without_a_tokenizer_the_default_falls_back_in_one_line(tiny_llama: Path,
-                                                                tmp_path: Path) -> None:
+def test_without_a_tokenizer_ids_come_from_the_configs_vocabulary(tiny_llama: Path,
+                                                                   tmp_path: Path) -> None:
+    """No tokenizer files: the self-calibrated fit all the same, on ids drawn from
+    config.json's vocabulary with the special ids it names left out, said in one line;
+    reproducible, and the same run as the default would be."""
     import shutil
+
+    from tq_cli.calibration.random_tokens import special_ids
 
     src = tmp_path / "src"
     shutil.copytree(tiny_llama, src)
     for f in src.glob("tokenizer*"):
         f.unlink()
+    cfg = json.loads((src / "config.json").read_text())
+    special = special_ids(cfg)
+    assert special and special <= {cfg.get("bos_token_id"), cfg.get("eos_token_id"),
+                                   cfg.get("pad_token_id")}
     r = convert(src, tmp_path / "out", ConvertSpec(quant=QUANT, device="cpu"))
-    assert r.calibrated_tensors is None
+    assert r.calibrated_tensors == r.tensors_converted - 1 > 0  # the head: weight-only
     [line] = r.warnings
-    assert line.startswith("weight-only fit: tq could not self-calibrate this model (")
-    assert line.endswith("convert with --calib FILE (tq calibrate) for the calibrated fit, "
-                         "or --fast to skip trying")
+    assert line.startswith("self-calibration drew token ids from config.json's vocabulary "
+                           f"({cfg['vocab_size']} ids, special ids {sorted(special)} left "
+                           "out), without a tokenizer: ")
     assert "no usable tokenizer" in line
-    # Asked for by name, it is an error instead.
-    with pytest.raises(SourceError, match="no usable tokenizer"):
-        convert(src, tmp_path / "o2", ConvertSpec(quant=QUANT, device="cpu", synthetic_calib=64))
+    record = json.loads((tmp_path / "out" / "tq_manifest.json").read_text())["calibration"]
+    assert record["synthetic"] == "random-ids"
+    assert record["tokens"] == ConvertSpec(quant=QUANT).self_calib_tokens
+    ids = random_token_ids(cfg["vocab_size"], special, 1000, seed=0)
+    assert not set(ids) & special and max(ids) < cfg["vocab_size"]
+    again = convert(src, tmp_path / "again", ConvertSpec(quant=QUANT, device="cpu"))
+    assert again.mean_rel_error == r.mean_rel_error
+
+
+def test_special_ids_are_read_from_the_config_and_its_text_config() -> None:
+    from tq_cli.calibration.random_tokens import special_ids
+
+    cfg = {"eos_token_id": [1, 7], "pad_token_id": None, "image_token_index": 9,
+           "use_cache": True, "text_config": {"bos_token_id": 2, "pad_token_id": False}}
+    assert special_ids(cfg) == {1, 2, 7, 9}
 
 
 def test_fast_and_calibration_flags_conflict_on_the_command_line(tiny_llama: Path,

@@ -177,10 +177,12 @@ def write_run(run: CalibRun, planned: PlannedSource, out: Path, note: Warn,
 
 
 def prepare_run(planned: PlannedSource, spec: CalibSpec, note: Warn,
-                comm: Comm | None = None) -> CalibRun:
+                comm: Comm | None = None, ids: tuple[torch.Tensor, Text] | None = None
+                ) -> CalibRun:
     """The model skeleton, its blocks and input groups, and the token sequences: all that
     a calibration needs before its first block runs (what it cannot run is refused
-    here, before any block's work)."""
+    here, before any block's work). `ids`: the token sequences [samples, seqlen] and what
+    they are, drawn without a tokenizer (no text is read then)."""
     from tq_cli.io.text import calibration_text, read_text
     from tq_cli.runtime.hf_models import load_tokenizer, require_transformers
 
@@ -195,7 +197,10 @@ def prepare_run(planned: PlannedSource, spec: CalibSpec, note: Warn,
         raise UnsupportedError(f"{folder}: tq calibrate cannot build this model: {unknown}")
     names = planned.converted_names
     device = resolve_device(spec.device)
-    text = calibration_text() if spec.text is None else read_text(spec.text)
+    if ids is None:
+        text = calibration_text() if spec.text is None else read_text(spec.text)
+    else:
+        text = ids[1]
     model = build_skeleton(folder, src.config)
     hf_config: Any = model.config
     built: Any = model
@@ -212,8 +217,8 @@ def prepare_run(planned: PlannedSource, spec: CalibSpec, note: Warn,
         raise UnsupportedError(f"--seqlen {spec.seqlen} is longer than the model's "
                                f"max_position_embeddings ({max_pos}); pass --seqlen {max_pos} "
                                "or less")
-    seqs = token_sequences(load_tokenizer(folder), text, spec.samples,
-                           spec.seqlen, note)
+    seqs = (token_sequences(load_tokenizer(folder), text, spec.samples, spec.seqlen, note)
+            if ids is None else ids[0])
     vocab = getattr(cfg, "vocab_size", None)
     if isinstance(vocab, int) and seqs.numel() and int(seqs.max()) >= vocab:
         raise SourceError(f"{folder}: the tokenizer gives token id {int(seqs.max())}, but the "

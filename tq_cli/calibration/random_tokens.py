@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from tq_cli.errors import SourceError
 from tq_cli.io.text import Text
 from tq_cli.planning.prepare import PlannedSource
@@ -98,17 +100,57 @@ def synthetic_run(planned: PlannedSource, tokens: int, seed: int, folder: Path,
     cfg = planned.model.config or {}
     text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     vocab = text_cfg.get("vocab_size") if text_cfg else None
-    text = random_text(load_tokenizer(planned.folder), plan.tokens, seed,
-                       vocab if isinstance(vocab, int) and vocab > 0 else None)
+    vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
+    say = note or (lambda _msg: None)
+    spec = CalibSpec(samples=plan.samples, seqlen=plan.seqlen, device=device)
+    try:
+        tokenizer = load_tokenizer(planned.folder)
+    except SourceError as e:
+        if vocab is None:
+            raise
+        # No tokenizer (or one that needs a library not installed): the ids themselves,
+        # drawn from the config's vocabulary, the special ids it names left out.
+        special = special_ids(cfg)
+        ids = torch.tensor(random_token_ids(vocab, special, plan.tokens, seed)).view(
+            plan.samples, plan.seqlen)
+        drawn = Text(" ".join(map(str, ids.view(-1).tolist())),
+                     f"random ids of config.json's vocabulary (seed {seed})")
+        run = prepare_run(planned, spec, say, comm, ids=(ids, drawn))
+        return run, {"synthetic": "random-ids", "seed": seed, "tokens_requested": tokens,
+                     "samples": plan.samples, "seqlen": plan.seqlen,
+                     "tokens": int(ids.numel()), "ids_sha256": drawn.sha256,
+                     "vocab_size": vocab, "special_ids": sorted(special),
+                     "no_tokenizer": str(e)}
+    text = random_text(tokenizer, plan.tokens, seed, vocab)
     text_path = folder / "synthetic.txt"
     text_path.write_text(text.text, encoding="utf-8")
-    run = prepare_run(planned, CalibSpec(text=str(text_path), samples=plan.samples,
-                                         seqlen=plan.seqlen, device=device),
-                      note or (lambda _msg: None), comm)
+    run = prepare_run(planned, spec.model_copy(update={"text": str(text_path)}), say, comm)
     record = {"synthetic": "random-tokens", "seed": seed, "tokens_requested": tokens,
               "samples": int(run.seqs.shape[0]), "seqlen": plan.seqlen,
               "tokens": int(run.seqs.numel()), "text_sha256": text.sha256}
     return run, record
+
+
+# config.json's names for the ids a tokenizer would call special.
+SPECIAL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
+                "sep_token_id", "cls_token_id", "mask_token_id", "decoder_start_token_id",
+                "image_token_id", "image_token_index", "video_token_id",
+                "vision_start_token_id", "vision_end_token_id", "boi_token_id",
+                "eoi_token_id", "boi_token_index", "eoi_token_index")
+
+
+def special_ids(config: dict[str, Any]) -> set[int]:
+    """The special token ids config.json names (its text config's too): an int or a list
+    of them under any of SPECIAL_KEYS."""
+    out: set[int] = set()
+    for cfg in (config, config.get("text_config")):
+        if not isinstance(cfg, dict):
+            continue
+        for key in SPECIAL_KEYS:
+            value = cfg.get(key)
+            values = value if isinstance(value, list) else [value]
+            out |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+    return out
 
 
 def synthetic_calibration(planned: PlannedSource, tokens: int, seed: int, folder: Path,

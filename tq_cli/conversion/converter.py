@@ -26,6 +26,7 @@ from tq_cli.calibration.stream import StreamedCalibration
 from tq_cli.conversion.finish import finish
 from tq_cli.conversion.pipeline import Finished, stream
 from tq_cli.conversion.ranks import STATES_DIR, assign
+from tq_cli.conversion.selfcheck import self_check
 from tq_cli.conversion.spec import ConvertResult, ConvertSpec
 from tq_cli.device import resolve_device
 from tq_cli.errors import (
@@ -92,6 +93,33 @@ def convert(source: str | os.PathLike[str], out: str | os.PathLike[str],
         return _convert(source, out, spec, on_plan, progress, log, scratch, comm)
 
 
+# Below this share of its non-embedding weights stored quantized, a conversion names the
+# largest tensors it kept: a checkpoint barely smaller than its source is not what anyone
+# asked for, even where each kept tensor has its reason.
+MIN_QUANTIZED_SHARE = 0.8
+
+
+def _said_ids(record: dict, warn: Callable[[str], None]) -> None:
+    """Self-calibration without a tokenizer is said, with why there was none."""
+    if record.get("synthetic") == "random-ids":
+        warn(f"self-calibration drew token ids from config.json's vocabulary "
+             f"({record['vocab_size']} ids, special ids {record['special_ids']} left out), "
+             f"without a tokenizer: {record['no_tokenizer']}")
+
+
+def _low_share(plan: Plan) -> str | None:
+    """A warning naming the largest kept weights when too few are stored quantized."""
+    _, body = plan.quantized_share()
+    kept = plan.largest_kept()
+    if body >= MIN_QUANTIZED_SHARE or not kept:
+        return None
+    named = "; ".join(f"'{t.info.name}' {list(t.info.shape)}"
+                      + (f" ({t.note})" if t.note else "") for t in kept)
+    return (f"only {body:.0%} of the non-embedding weights are stored quantized; the largest "
+            f"kept: {named}; convert them with a recipe that quantizes them (--recipe), or "
+            "see the notes above for why tq keeps them")
+
+
 def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
              on_plan: Callable[[Plan], None] | None, progress: ProgressFn | None,
              log: Callable[[str], None] | None,
@@ -115,6 +143,9 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     model, plan = planned.model, planned.plan
     for note in planned.notes:
         warn(note)
+    low = _low_share(plan)
+    if low is not None:
+        warn(low)
     device = resolve_device(spec.device)
     # A fallback to the weight-only fit is said once the conversion has succeeded: a run
     # that fails says one line, its error.
@@ -212,7 +243,8 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     for note in fallbacks:
         warn(note)
     result = finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
-                     max(resumed, 0), warnings, provenance)
+                     max(resumed, 0), warnings, provenance,
+                     check=lambda folder: self_check(planned, folder, device, out))
     result.check_seconds = planned.check_seconds
     if comm.world > 1:
         comm.broadcast(result)
@@ -295,12 +327,14 @@ def _calibration(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.
                 run, record = synthetic_run(planned, tokens, spec.rotation.seed, folder,
                                             spec.device, comm)
                 streamed = StreamedCalibration(run, check=lambda g: g.check(planned.recipe))
+                _said_ids(record, warn)
                 return CalibOptions(streamed, spec.damp, spec.act_order), record | gptq
             if comm.world > 1:
                 raise UnsupportedError("--target-bits under torchrun: not supported yet; run "
                                        "it in one process")
             path, record = synthetic_calibration(planned, tokens, spec.rotation.seed, folder,
                                                  spec.device)
+            _said_ids(record, warn)
         except (SourceError, UnsupportedError) as e:
             if not spec.self_calib_default or isinstance(e, CorruptFileError):
                 raise

@@ -8,6 +8,8 @@ The format of what is written is docs/format.md.
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 
 from tq_cli.conversion.card import render_card
 from tq_cli.conversion.spec import ConvertResult, ConvertSpec
+from tq_cli.errors import TqError
 from tq_cli.io.format import CONVERTED, MANIFEST
 from tq_cli.io.integrity import config_digest, manifest_digest
 from tq_cli.io.manifest import quantization_config, write_json
@@ -27,8 +30,11 @@ from tq_cli.version import __version__
 
 def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: ConvertSpec,
             device: torch.device, seconds: float, resumed: int,
-            warnings: list[str], provenance: dict[str, Any]) -> ConvertResult:
-    """Manifest, index, config, copied files and card; then rename into place."""
+            warnings: list[str], provenance: dict[str, Any],
+            check: Callable[[Path], dict[str, Any]] | None = None) -> ConvertResult:
+    """Manifest, index, config, copied files and card; `check` of the finished folder
+    (tq_cli.conversion.selfcheck), which removes it where it fails; then rename into
+    place."""
     shard_sha = {name: file_sha256(partial / name) for name in plan.layout.shards}
     rot_bytes = {rid: sum(plan.layout.slots[k].nbytes for k, _, _ in rp.keys)
                  for rid, rp in plan.rotations.items()}
@@ -95,7 +101,7 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
         mixed=provenance.get("mixed_precision"),
         model_bits_per_weight=8 * sum(s.nbytes for s in plan.layout.slots.values())
         / max(1, sum(t.info.numel for t in plan.tensors)),
-        head_bits=head_bits)
+        head_bits=head_bits, quantized_share=plan.quantized_share())
     files = copy_other_files(plan.source.folder, partial)
     kept_modules = sorted({t.info.name.rsplit(".", 1)[0] for t in plan.tensors
                            if t.action == "keep" and t.info.name.endswith(".weight")})
@@ -115,7 +121,8 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
         "rotations": {rid: {"kind": rp.spec.kind, "n": rp.n, "block": rp.block,
                             "seed": rp.spec.seed, "keys": [k for k, _, _ in rp.keys]}
                       for rid, rp in plan.rotations.items()},
-        "summary": {k: v for k, v in result.summary().items() if k != "out"}
+        "summary": {k: v for k, v in result.summary().items()
+                    if k not in ("out", "self_check")}
         | {"nonfinite_values": nonfinite_total},
         "tensors": tensors,
         "shards": shard_sha,
@@ -140,5 +147,11 @@ def finish(plan: Plan, partial: Path, out: Path, done: dict[str, dict], spec: Co
                 os.close(fd)
     for name in (PLAN_FILE, JOURNAL):
         (partial / name).unlink(missing_ok=True)
+    if check is not None:  # the finished folder runs near its original, or goes
+        try:
+            result.self_check = check(partial)
+        except TqError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
     swap_into_place(partial, out)
     return result

@@ -130,6 +130,11 @@ class ConvertResult:
     # tensors (embeddings, norms, a head in full precision) included.
     model_bits_per_weight: float = 0.0
     head_bits: int | None = None  # lm_head stored quantized at these bits, else None
+    # Elements of weight matrices stored quantized: of all of them, and of the
+    # non-embedding ones (embedding tables and the head left out; Plan.quantized_share).
+    quantized_share: tuple[float, float] = (0.0, 0.0)
+    # The behavioural self-check of the finished checkpoint (tq_cli.conversion.selfcheck).
+    self_check: dict | None = None
 
     def summary(self) -> dict:
         extra: dict = {}
@@ -144,6 +149,8 @@ class ConvertResult:
             "bits_per_weight": round(self.bits_per_weight, 6),
             "model_bits_per_weight": round(self.model_bits_per_weight, 6),
             "head_bits": self.head_bits,
+            "quantized_share": round(self.quantized_share[0], 6),
+            "quantized_share_non_embedding": round(self.quantized_share[1], 6),
             "mean_rel_error": self.mean_rel_error,
             "max_rel_error": self.max_rel_error,
             "seconds": round(self.seconds, 3),
@@ -152,5 +159,6 @@ class ConvertResult:
             "output_bytes": self.output_bytes,
             "throughput_mb_s": round(self.source_bytes / 1e6 / max(self.seconds, 1e-9), 2),
             "resumed_tensors": self.resumed_tensors,
+            "self_check": self.self_check,
             "device": self.device,
         }

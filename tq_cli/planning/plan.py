@@ -37,6 +37,12 @@ from tq_cli.version import __version__
 Key = tuple[str, str, tuple[int, ...]]
 # Embedding tables by the names transformers gives them; they are nn.Embedding, not
 # nn.Linear, so a converted one could never be loaded.
+def _embedding_or_head(t: TensorPlan) -> bool:
+    parts = t.info.name.split(".")
+    return t.head or bool(EMBEDDING.search(t.info.name)) or (
+        len(parts) > 1 and parts[-2] in ("lm_head", "output", "embed_out"))
+
+
 EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_positions|word_embeddings|position_embeddings"
                        r"|token_type_embeddings|wte|wpe|shared|embeddings)(\.|$)")
 
@@ -100,6 +106,26 @@ class Plan:
     @property
     def converted(self) -> list[TensorPlan]:
         return [t for t in self.tensors if t.action == CONVERTED]
+
+    def quantized_share(self) -> tuple[float, float]:
+        """(stored quantized, of all the source's weights; the same of its non-embedding
+        weights): elements of weight matrices (2-D and up), the embedding tables and the
+        head counted in the first figure only."""
+        weights = [t for t in self.tensors if len(t.info.shape) >= 2]
+        body = [t for t in weights if not _embedding_or_head(t)]
+
+        def share(ts: list[TensorPlan]) -> float:
+            total = sum(t.info.numel for t in ts)
+            done = sum(t.info.numel for t in ts if t.action == CONVERTED)
+            return done / total if total else 0.0
+
+        return share(weights), share(body)
+
+    def largest_kept(self, k: int = 3) -> list[TensorPlan]:
+        """The k largest non-embedding weights kept in full precision."""
+        kept = [t for t in self.tensors if len(t.info.shape) >= 2 and t.action != CONVERTED
+                and not _embedding_or_head(t)]
+        return sorted(kept, key=lambda t: -t.info.numel)[:k]
 
     @property
     def format_version(self) -> int:

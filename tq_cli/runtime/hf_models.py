@@ -54,6 +54,10 @@ def load_tokenizer(folder: Path) -> Any:
     quiet_transformers()
     try:
         return AutoTokenizer.from_pretrained(folder)
+    except ImportError as e:  # a tokenizer class that needs a library not installed
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise SourceError(f"{folder}: the tokenizer needs a library that is not installed "
+                          f"({first}); pip install 'tq[models]'") from None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise SourceError(f"{folder}: no usable tokenizer ({first}); copy the model's "

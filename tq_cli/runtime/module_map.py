@@ -225,6 +225,9 @@ def _placement(name: str, key: str, modules: dict[str, nn.Module],
     if not isinstance(owner, nn.Linear) or attr != "weight":
         return Placement(name, None, f"it is '{attr}' of {type(owner).__name__}, not the "
                                      "weight of an nn.Linear")
+    if type(owner).forward is not nn.Linear.forward:  # Llama 4's router returns two things
+        return Placement(name, None, f"{type(owner).__name__} is an nn.Linear with a forward "
+                                     "of its own, which a TQLinear would not run")
     parent = modules.get(path.rpartition(".")[0]) if "." in path else None
     if isinstance(parent, RAW_READERS):
         return Placement(name, None, f"{type(parent).__name__} reads it as a raw tensor, not "
