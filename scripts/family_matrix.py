@@ -41,9 +41,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     warnings.filterwarnings("ignore")
     cpu.set_gemm_precision("fp32")  # the dequantized twin multiplies in float32 too
-    print("| family | converted | kept | logits rel. error to the original | "
-          "dequantized twin vs tq | output_loading_info clean |")
-    print("|---|---|---|---|---|---|")
+    print("| family | converted | kept | quantized share (non-embedding) | "
+          "logits rel. error to the original | dequantized twin vs tq | "
+          "output_loading_info clean | self-check (worst block) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, build in FAMILIES.items():
         torch.manual_seed(0)
         model, inputs = build()
@@ -57,8 +58,12 @@ def main() -> None:
         y, y_ref = _output(tq, inputs), _output(model.eval(), inputs)
         _, info = type(tq).from_pretrained(folder / "tq", output_loading_info=True)
         twin = _rel(_output(tq.dequantize(), inputs), y)
-        print(f"| {name} | {result.tensors_converted} | {kept} | {_rel(y, y_ref):.3f} | "
-              f"{twin:.1e} | {not any(info.values())} |")
+        check = result.self_check or {}
+        worst = (f"{max(v for k, v in check['rel_errors'].items() if k != 'head'):.3f}"
+                 if check.get("ran") else "not run")
+        print(f"| {name} | {result.tensors_converted} | {kept} | "
+              f"{result.quantized_share[1]:.0%} | {_rel(y, y_ref):.3f} | "
+              f"{twin:.1e} | {not any(info.values())} | {worst} |")
 
 
 if __name__ == "__main__":

@@ -271,3 +271,21 @@ def test_a_converter_of_a_kept_module_still_loads_it(tmp_path: Path) -> None:
     with torch.no_grad():
         want, got = model(input_ids=ids).last_hidden_state, loaded(input_ids=ids).last_hidden_state
     assert _rel(got, want) < 1e-3
+
+
+def test_a_low_quantized_share_names_the_largest_kept_tensors(family: Any) -> None:
+    """The summary reports the share stored quantized; under 80% of the non-embedding
+    weights (Llama 4's experts are 3-D parameters tq keeps), a warning names the largest
+    kept tensors and why."""
+    name, _, _, result, _ = family
+    total, body = result.quantized_share
+    assert 0 < total <= 1 and 0 < body <= 1
+    low = [w for w in result.warnings if w.startswith("only ")]
+    if name in ("llama4", "qwen3_vl", "llava", "gemma3_vlm", "mistral3", "idefics3",
+                "qwen2_5_vl", "gpt_oss"):
+        assert body < 0.8 and len(low) == 1
+        if name == "llama4":
+            assert "'model.layers.1.feed_forward.experts.gate_up_proj' [4, 96, 400] (a MoE's " \
+                   "experts stored as one 3-D tensor" in low[0]
+    else:
+        assert body >= 0.8 and low == []
