@@ -169,3 +169,36 @@ def test_a_converted_weight_answers_as_the_weight(tmp_path: Path) -> None:
     w = model.model.layers[0].mlp.gate_proj.weight
     assert (w.shape, w.dtype, w.device, w.ndim, w.size(0)) == (
         torch.Size([200, 96]), torch.bfloat16, torch.device("cpu"), 2, 200)
+
+
+def test_a_vision_config_declaring_more_layers_than_the_weights_hold_is_refused(
+        tmp_path: Path) -> None:
+    src = _saved(tmp_path, "llava")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["vision_config"]["num_hidden_layers"] = 3
+    (src / "config.json").write_text(json.dumps(cfg))
+    msg = _refused(src, tmp_path)
+    assert msg.startswith(f"{src / 'config.json'}: the LlavaForConditionalGeneration "
+                          "config.json describes has parameter 'model.vision_tower.encoder."
+                          "layers.2.self_attn.k_proj.weight' (and 15 more), which no tensor")
+
+
+def test_a_tokenizer_that_needs_a_missing_library_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SigLIP's tokenizer without protobuf raised transformers' ImportError, which tq
+    printed as an internal error."""
+    import transformers
+
+    from tq_cli.runtime.hf_models import load_tokenizer
+
+    def needs(*_a: Any, **_k: Any) -> None:
+        raise ImportError("SiglipTokenizer requires the protobuf library but it was not "
+                          "found in your environment.\nCheck out the instructions ...")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", needs)
+    with pytest.raises(SourceError) as e:
+        load_tokenizer(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path}: the tokenizer needs a library that is not installed (SiglipTokenizer "
+        "requires the protobuf library but it was not found in your environment.); pip "
+        "install 'tq[models]'")
