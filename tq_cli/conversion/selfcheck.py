@@ -113,7 +113,11 @@ def _compare_block(run: Any, i: int, args: tuple, kwargs: dict,
     block = run.blocks[i]
     path = f"{run.bpath}.{i}"
     weights = BlockWeights(run.source, run.prefix, run.device, run.sources)
-    weights.load(block, path)
+    try:
+        weights.load(block, path)
+    except TqError as e:  # the original's weights do not fit its model: no verdict
+        weights.release(block)
+        raise _Skip(f"block {i} of the original cannot be read ({_why(e)})") from None
     try:
         x = hidden_of(args, kwargs)
         with torch.no_grad():
