@@ -76,7 +76,9 @@ def test_one_block_of_hessians_at_a_time_and_each_block_runs_once(
     monkeypatch.setattr(StreamedCalibration, "hessian", watching)
     convert(llama4, tmp_path / "o", SPEC)
     blocks = [p for p in loads if ".layers." in p]
-    assert blocks == [f"model.layers.{i}" for i in range(4)]
+    # each block once, then the self-check's first and last (tq_cli.conversion.selfcheck)
+    assert blocks == [f"model.layers.{i}" for i in range(4)] + ["model.layers.0",
+                                                                "model.layers.3"]
     assert alive and max(len(s) for s in alive) <= 1
     # every block's tensors asked in block order: each stage's Hessians, then the next's
     stages = [min(s) for s in alive if s]
@@ -104,7 +106,8 @@ def test_resume_starts_at_the_block_it_was_in(llama4: Path, tmp_path: Path,
     r = convert(llama4, out, SPEC.model_copy(update={"resume": True}))
     assert r.resumed_tensors > 0
     # blocks 0 and 1 were written: the resumed run starts from block 2's saved inputs
-    assert [p for p in loads if ".layers." in p] == ["model.layers.2", "model.layers.3"]
+    assert [p for p in loads if ".layers." in p] == ["model.layers.2", "model.layers.3",
+                                                     "model.layers.0", "model.layers.3"]
     fresh = tmp_path / "fresh"
     convert(llama4, fresh, SPEC)
     assert _shards(out) == _shards(fresh)

@@ -133,6 +133,8 @@ def _prepared(name: str, h: torch.Tensor, rotation: Rotation, device: torch.devi
         if getattr(calib.calibration, "asks_again", True):
             with _PREPARED_LOCK:
                 slot[scaled_key] = prepared
+        else:  # nobody asks again: the fit may drop the factor before its refit
+            prepared.owned = True
         return prepared
     group = calib.calibration.group(name)
     key = (group if group is not None else name, rotation.rotation_id, calib.damp,

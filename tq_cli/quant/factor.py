@@ -188,15 +188,21 @@ def _invert_lower_(low: torch.Tensor, leaf: int = 512) -> None:
     c.neg_()
 
 
-@dataclass(frozen=True)
+@dataclass
 class PreparedHessian:
     """What GPTQ needs of a rotated Hessian, computed once for the layers that read the
     same input (q, k, v; gate, up): H checked and symmetrised (float64), the column order,
-    and the upper Cholesky factor of the damped inverse in that order (float32)."""
+    and the upper Cholesky factor of the damped inverse in that order (float32).
+    `owned`: one fit uses it and may drop the factor once its GPTQ passes are done."""
 
     h: torch.Tensor
     order: torch.Tensor
     up: torch.Tensor
+    owned: bool = False
+
+    def release_factor(self) -> None:
+        """Drop the inverse factor (its fit is past the GPTQ passes); only for `owned`."""
+        self.up = torch.empty(0, device=self.h.device)
 
 
 def prepare_hessian(h_rot: torch.Tensor, *, damp: float = 0.01, act_order: bool = False,

@@ -121,6 +121,8 @@ def _solve(w: torch.Tensor, up: torch.Tensor, scales: torch.Tensor, codebook: to
     if top_k:
         cols = order[top_i // out]
         return _Solved(None, None, torch.sort((top_i % out) * n + cols).values)
+    if torch.equal(order, torch.arange(n, device=dev)):  # no reordering: views, no copies
+        return _Solved(codes_t.T, qt.T)
     codes = torch.empty(out, n, dtype=torch.uint8, device=dev)
     codes[:, order] = codes_t.T
     w_hat = torch.empty(out, n, dtype=torch.float32, device=dev)
@@ -330,6 +332,11 @@ def fit_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
     res = _solve(w, up, scales, codebook, spec.group_size, order, outliers, block_size)
     assert res.codes is not None
     codes = res.codes
+    del up
+    if isinstance(h_rot, PreparedHessian) and h_rot.owned:
+        h_rot.release_factor()  # the refit needs H alone (0.8 GB less at n = 14336)
+    elif not isinstance(h_rot, PreparedHessian):
+        prepared.release_factor()
     scales, w_hat, vals, num, den = _refit_scales(w, res, scales, codebook, h, outliers,
                                                   spec.group_size)
     del res  # its W_hat, before the refit's own
