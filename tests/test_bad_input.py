@@ -130,9 +130,10 @@ def test_nonfinite_is_refused_unless_allowed(tmp_path: Path, bad: float) -> None
     out = tmp_path / "out"
     fails(folder, out,
           r"model.safetensors: tensor 'model.layers.0.mlp.up_proj.weight' contains 2 NaN/Inf "
-          r"values; fix the source or pass --allow-nonfinite to quantize them as 0")
+          r"values; fix the source or pass --allow-nonfinite to quantize them as 0",
+          ConvertSpec(allow_partial=True))
     assert not out.exists()
-    r = convert(folder, out, ConvertSpec(allow_nonfinite=True))
+    r = convert(folder, out, ConvertSpec(allow_partial=True, allow_nonfinite=True))
     assert r.tensors_converted == 1 and any("2 NaN/Inf" in w for w in r.warnings)
     man = json.loads((out / "tq_manifest.json").read_text())
     assert man["summary"]["nonfinite_values"] == 2
@@ -143,14 +144,15 @@ def test_existing_output_is_refused_and_untouched(small_folder: Path, tmp_path: 
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     with pytest.raises(TqError, match=r"out: already exists; pass --overwrite to replace it"):
-        convert(small_folder, out)
+        convert(small_folder, out, ConvertSpec(allow_partial=True))
     with pytest.raises(TqError, match=r"out: exists and is not a tq checkpoint; --overwrite "
                                       "only replaces a tq checkpoint or an empty folder"):
-        convert(small_folder, out, ConvertSpec(overwrite=True))
+        convert(small_folder, out, ConvertSpec(allow_partial=True, overwrite=True))
     assert (out / "precious.txt").read_text() == "keep me"
     (out / "precious.txt").unlink()
-    convert(small_folder, out, ConvertSpec(overwrite=True))  # an empty folder is fine
-    convert(small_folder, out, ConvertSpec(overwrite=True))  # and so is a tq checkpoint
+    again = ConvertSpec(allow_partial=True, overwrite=True)
+    convert(small_folder, out, again)  # an empty folder is fine
+    convert(small_folder, out, again)  # and so is a tq checkpoint
     assert (out / "tq_manifest.json").exists()
 
 
@@ -195,20 +197,20 @@ def test_hub_cache_snapshot_with_symlinked_shards(tmp_path: Path) -> None:
     (snap / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.layers.0.mlp.up_proj.weight": "model-00001-of-00001.safetensors"}}))
     (snap / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    r = convert(snap, tmp_path / "out")
+    r = convert(snap, tmp_path / "out", ConvertSpec(allow_partial=True))
     assert r.tensors_converted == 1
 
 
 def test_failed_overwrite_keeps_the_old_output(small_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    convert(small_folder, out)
+    convert(small_folder, out, ConvertSpec(allow_partial=True))
     before = (out / "model.safetensors").read_bytes()
     w = torch.randn(64, 96)
     w[0, 0] = float("nan")
     write_safetensors(small_folder / "model.safetensors",
                       {"model.layers.0.mlp.up_proj.weight": w, "model.norm.weight": torch.ones(96)})
     with pytest.raises(TqError, match="NaN/Inf"):
-        convert(small_folder, out, ConvertSpec(overwrite=True))
+        convert(small_folder, out, ConvertSpec(allow_partial=True, overwrite=True))
     assert (out / "model.safetensors").read_bytes() == before
     shutil.rmtree(partial_path(out), ignore_errors=True)
 

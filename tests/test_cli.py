@@ -16,7 +16,8 @@ runner = CliRunner()
 
 def test_convert_json_summary(small_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    r = runner.invoke(app, ["convert", str(small_folder), "-o", str(out), "--bits", "3",
+    r = runner.invoke(app, ["convert", str(small_folder), "--allow-partial",
+                            "-o", str(out), "--bits", "3",
                             "--group-size", "32", "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
@@ -27,7 +28,8 @@ def test_convert_json_summary(small_folder: Path, tmp_path: Path) -> None:
 
 
 def test_table_output(small_folder: Path, tmp_path: Path) -> None:
-    r = runner.invoke(app, ["convert", str(small_folder), "-o", str(tmp_path / "o")])
+    r = runner.invoke(app, ["convert", str(small_folder), "--allow-partial",
+                            "-o", str(tmp_path / "o")])
     assert r.exit_code == 0
     assert "bits per weight (converted)" in r.stdout
 
@@ -52,7 +54,8 @@ def test_usage_errors_exit_2(small_folder: Path, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cuda_request_without_cuda(small_folder: Path, tmp_path: Path) -> None:
-    r = runner.invoke(app, ["convert", str(small_folder), "-o", str(tmp_path / "o"),
+    r = runner.invoke(app, ["convert", str(small_folder), "--allow-partial",
+                            "-o", str(tmp_path / "o"),
                             "--device", "cuda"])
     assert r.exit_code == 1 and "no CUDA device is available" in r.stderr
 

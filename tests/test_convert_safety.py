@@ -21,7 +21,8 @@ from tq_cli.io.safetensors_reader import open_source
 from tq_cli.io.writer import JOURNAL
 from tq_cli.quant.spec import QuantSpec
 
-SPEC = ConvertSpec(quant=QuantSpec(group_size=64))
+# Its hand-written folders hold a few tensors, not a whole model: --allow-partial.
+SPEC = ConvertSpec(quant=QuantSpec(group_size=64), allow_partial=True)
 
 
 def _folder(path: Path, tensors: dict[str, torch.Tensor], config: dict | None = None) -> Path:

@@ -50,7 +50,9 @@ def _refused(src: Path, tmp_path: Path, spec: ConvertSpec = SPEC) -> str:
         convert(src, tmp_path / "out", spec)
     assert not (tmp_path / "out").exists()
     assert "\n" not in str(e.value)
-    return str(e.value)
+    suffix = " (--allow-partial converts it anyway)"
+    assert str(e.value).endswith(suffix)
+    return str(e.value).removesuffix(suffix)
 
 
 def test_a_missing_parameter_is_refused_by_name(tmp_path: Path) -> None:
@@ -202,3 +204,17 @@ def test_a_tokenizer_that_needs_a_missing_library_is_one_line(
         f"{tmp_path}: the tokenizer needs a library that is not installed (SiglipTokenizer "
         "requires the protobuf library but it was not found in your environment.); pip "
         "install 'tq[models]'")
+
+
+def test_allow_partial_converts_it_with_a_warning_and_the_loader_still_refuses(
+        tmp_path: Path) -> None:
+    src = _saved(tmp_path, "qwen3_moe")
+    _edit(src, drop=("model.layers.0.mlp.gate.weight",))
+    r = convert(src, tmp_path / "out", SPEC.model_copy(update={"allow_partial": True}))
+    assert (f"--allow-partial: {src / 'config.json'}: the Qwen3MoeForCausalLM config.json "
+            "describes has parameter 'model.layers.0.mlp.gate.weight', which no tensor of the "
+            "checkpoint holds (transformers would initialise it at random); a loader will "
+            "refuse the checkpoint where it cannot fill that") in r.warnings
+    with pytest.raises(CorruptFileError, match=r"'model\.layers\.0\.mlp\.gate\.weight' that the "
+                                               r"checkpoint does not hold"):
+        tq_cli.load(tmp_path / "out", device="cpu")

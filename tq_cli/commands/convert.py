@@ -128,6 +128,11 @@ def main(
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite",
                                          help="Quantize NaN/Inf values as 0 and clamp values "
                                          "beyond ±65504 instead of failing."),
+    allow_partial: bool = typer.Option(False, "--allow-partial",
+                                       help="Convert a source that is not the complete model "
+                                       "its config.json describes (said in a warning) "
+                                       "instead of failing; loaders still refuse what is "
+                                       "missing."),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace OUT (kept until the new one is complete)."),
     resume: bool = typer.Option(False, "--resume",
@@ -137,6 +142,7 @@ def main(
     try:
         spec = ConvertSpec.model_validate(quant_values(locals()) | {
             "recipe": recipe, "device": device, "allow_nonfinite": allow_nonfinite,
+            "allow_partial": allow_partial,
             "overwrite": overwrite, "resume": resume, "max_shard_bytes": parse_size(shard_size),
             "seeds_file": str(seeds) if seeds is not None else None,
             "calib": str(calib) if calib is not None else None, "damp": damp,

@@ -139,6 +139,7 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     planned = plan_source(folder, spec.recipe, spec.quant, spec.rotation, seeds=spec.seeds,
                           seeds_file=spec.seeds_file, max_shard_bytes=spec.max_shard_bytes,
                           model=source_model, check=True, vision=spec.vision,
+                          allow_partial=spec.allow_partial,
                           head_bits=spec.head_bits, head_required=spec.head_required)
     model, plan = planned.model, planned.plan
     for note in planned.notes:

@@ -30,6 +30,10 @@ class ConvertSpec(BaseModel):
     recipe: str | None = None
     device: Device = "auto"
     allow_nonfinite: bool = False
+    # Convert a source that is not the complete model its config.json describes (a
+    # warning names the first difference) instead of refusing it; for a check that is
+    # wrong about a model. A loader still refuses what transformers cannot fill.
+    allow_partial: bool = False
     overwrite: bool = False
     resume: bool = False
     max_shard_bytes: int = Field(2 * 1024**3, ge=1)

@@ -62,7 +62,8 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
                 max_shard_bytes: int = 2 * 1024**3,
                 model: SourceModel | None = None,
                 check: bool = False, vision: bool = False,
-                head_bits: int | None = None, head_required: bool = True) -> PlannedSource:
+                head_bits: int | None = None, head_required: bool = True,
+                allow_partial: bool = False) -> PlannedSource:
     """Resolve SOURCE, its recipe and the plan; refuse a source with nothing to convert.
     `model`: SOURCE already opened (convert checks OUT between opening and planning).
     `check`: against the model transformers will build (what convert writes must load
@@ -70,7 +71,9 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
     image-text-to-text model, convert the vision tower too (by default only its language
     model is converted; the projector is always kept). `head_bits`: store lm_head (and the
     input embedding tied to it) quantized at these bits (tq_cli.quant.head); needs `check`;
-    a model whose head tq cannot store is refused when `head_required`, else keeps it."""
+    a model whose head tq cannot store is refused when `head_required`, else keeps it.
+    `allow_partial`: a source that is not the complete model its config.json describes is
+    converted with a note instead of refused."""
     quant = quant or QuantSpec()
     rotation = rotation or RotationSpec()
     folder = resolve_source(source)
@@ -102,7 +105,7 @@ def plan_source(source: str | os.PathLike[str], recipe: str | None,
     if check:
         t0 = time.perf_counter()
         _place(planned, builtin=recipe is None or recipe in builtin_recipes(), vision=vision,
-               head_bits=head_bits, head_required=head_required)
+               head_bits=head_bits, head_required=head_required, allow_partial=allow_partial)
         planned.check_seconds = time.perf_counter() - t0
     return planned
 
@@ -120,9 +123,10 @@ def _say_kept(planned: PlannedSource, kept: dict[str, str]) -> None:
                              f"({share:.0%} of the weights), such as '{names[0]}': {why}")
 
 
-def _check_complete(planned: PlannedSource, skeleton: Any) -> None:
+def _check_complete(planned: PlannedSource, skeleton: Any, allow_partial: bool) -> None:
     """The source holds exactly the model its config.json describes (tq_cli.runtime.
-    source_check), or a one-line SourceError naming the file and the tensor."""
+    source_check), or a one-line SourceError naming the file and the tensor (a note,
+    with `allow_partial`)."""
     from tq_cli.runtime.source_check import source_mismatch
 
     found = source_mismatch(skeleton, planned.model.tensors)
@@ -130,7 +134,11 @@ def _check_complete(planned: PlannedSource, skeleton: Any) -> None:
         return
     where = (planned.model.tensors[found.tensor].file if found.tensor is not None
              else planned.folder / "config.json")
-    raise SourceError(f"{where}: {found.message}")
+    if allow_partial:
+        planned.notes.append(f"--allow-partial: {where}: {found.message.split('; ')[0]}; a "
+                             "loader will refuse the checkpoint where it cannot fill that")
+        return
+    raise SourceError(f"{where}: {found.message} (--allow-partial converts it anyway)")
 
 
 # What a VLM keeps by default, outside its language model (module_map.Placement.part).
@@ -140,7 +148,8 @@ POLICY = {"vision": "the vision tower of an image-text model; pass --vision to c
 
 
 def _place(planned: PlannedSource, builtin: bool, vision: bool,
-           head_bits: int | None = None, head_required: bool = True) -> None:
+           head_bits: int | None = None, head_required: bool = True,
+           allow_partial: bool = False) -> None:
     """Check every converted tensor against the model transformers will build (tq_cli.
     runtime.module_map) and plan again with what that says: the module each runs as; the
     tensors tq could not load back or run, kept (a built-in recipe) or refused (the user's
@@ -180,7 +189,7 @@ def _place(planned: PlannedSource, builtin: bool, vision: bool,
         planned.notes.append(f"not checked that each converted tensor loads back: {skipped}")
         return
     skeleton = build_in_folder(planned.folder, model.config)
-    _check_complete(planned, skeleton)
+    _check_complete(planned, skeleton, allow_partial)
     placed = place(skeleton, planned.converted_names)
     where = head_placement(skeleton, list(model.tensors)) if head_bits is not None else None
     if not isinstance(where, str) and where is not None:

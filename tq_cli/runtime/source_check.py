@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
@@ -34,8 +35,24 @@ class Mismatch:
     count: int  # disagreements of this kind
 
 
-def _ignored(model: nn.Module, attr: str) -> list[re.Pattern[str]]:
-    return [re.compile(p) for p in (getattr(model, attr, None) or [])]
+def _not_ignored(model: nn.Module, kind: str, keys: list[str]) -> list[str]:
+    """`keys` less those the model's own rules let go of (old checkpoints' position_ids
+    and rotary inv_freq, `_keys_to_ignore_on_load_*`): transformers' own
+    `_adjust_missing_and_unexpected_keys`, applied as its loader applies it."""
+    if not keys:
+        return keys
+    info = SimpleNamespace(missing_keys=set(keys) if kind == "missing" else set(),
+                           unexpected_keys=set(keys) if kind == "unexpected" else set())
+    adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
+    if adjust is not None:
+        adjust(info)
+    else:  # an older transformers: its class-level patterns only
+        attr = f"_keys_to_ignore_on_load_{kind}"
+        patterns = [re.compile(p) for p in (getattr(model, attr, None) or [])]
+        setattr(info, f"{kind}_keys", {k for k in keys
+                                       if not any(p.search(k) for p in patterns)})
+    left = getattr(info, f"{kind}_keys")
+    return [k for k in keys if k in left]
 
 
 def _more(n: int) -> str:
@@ -59,12 +76,10 @@ def source_mismatch(model: nn.Module, tensors: dict[str, TensorInfo]) -> Mismatc
     unexpected: list[str] = []
     wrong: list[tuple[str, str]] = []
     experts: dict[tuple[str, str], tuple[str, set[int]]] = {}
-    skip_unexpected = _ignored(model, "_keys_to_ignore_on_load_unexpected")
     for name, info in tensors.items():
         key, pattern = rename_source_key(name, renamings, converters, prefix, params)
         if key not in params:
-            if not any(p.search(name) or p.search(key) for p in skip_unexpected):
-                unexpected.append(name)
+            unexpected.append(name)
             continue
         filled.add(key)
         filled.update(_other_targets(key, pattern, converters, params))
@@ -81,6 +96,7 @@ def source_mismatch(model: nn.Module, tensors: dict[str, TensorInfo]) -> Mismatc
                         f"{list(tensors[name].shape)}, but the {cls} config.json describes "
                         f"needs {list(params[key].shape)} for '{key}'; fix config.json or "
                         "convert the original folder", name, len(wrong))
+    unexpected = _not_ignored(model, "unexpected", unexpected)
     if unexpected:
         return Mismatch(f"tensor '{unexpected[0]}'{_more(len(unexpected))} is no parameter "
                         f"of the {cls} config.json describes, and would be dropped on load; "
@@ -95,11 +111,15 @@ def source_mismatch(model: nn.Module, tensors: dict[str, TensorInfo]) -> Mismatc
             return Mismatch(f"tensor '{name}': the checkpoint has {what} for '{key}' of "
                             f"the {cls} config.json describes; fix config.json or convert "
                             "the original folder", name, 1)
-    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    skip_missing = _ignored(model, "_keys_to_ignore_on_load_missing")
-    missing = [k for k, _ in model.named_parameters()
-               if k not in filled and tied.get(k) not in filled
-               and not any(p.search(k) for p in skip_missing)]
+    # A parameter tied to another is filled by either (transformers ties them whichever
+    # way the checkpoint allows).
+    tied: dict[str, set[str]] = {}
+    for a, b in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        tied.setdefault(a, set()).add(b)
+        tied.setdefault(b, set()).add(a)
+    missing = _not_ignored(model, "missing", [
+        k for k, _ in model.named_parameters()
+        if k not in filled and not tied.get(k, set()) & filled])
     if missing:
         return Mismatch(f"the {cls} config.json describes has parameter '{missing[0]}'"
                         f"{_more(len(missing))}, which no tensor of the checkpoint holds "
