@@ -84,7 +84,31 @@ def test_the_self_check_is_in_the_json_summary(tmp_path: Path) -> None:
     assert 0.0 < summary["quantized_share_non_embedding"] <= 1.0
 
 
-def test_a_model_whose_blocks_cannot_run_alone_says_why(tmp_path: Path) -> None:
-    r = convert(_saved(tmp_path, "whisper"), tmp_path / "out", SPEC)
+@pytest.mark.parametrize("family", ["whisper", "clip", "t5"])
+def test_a_small_model_whose_blocks_cannot_run_alone_is_checked_whole(
+        tmp_path: Path, family: str) -> None:
+    """Whisper's audio input, CLIP's two towers, T5's tied encoder embedding: the whole
+    converted model, loaded as tq_cli.load loads it, beside the original."""
+    r = convert(_saved(tmp_path, family), tmp_path / "out", SPEC)
+    check = r.self_check
+    assert check is not None and check["ran"] is True and check["whole_model"] is True
+    assert 0 < check["rel_errors"]["output"] < 0.4 and check["because"]
+
+
+def test_a_model_checked_whole_that_is_far_fails(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tq_linear.dispatch.linear
+    monkeypatch.setattr(tq_linear.dispatch, "linear", lambda *a, **k: real(*a, **k).flip(-1))
+    with pytest.raises(SelfCheckError, match="self-check: the output of the converted model "
+                                             "is "):
+        convert(_saved(tmp_path, "whisper"), tmp_path / "out", SPEC)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_source_that_cannot_be_run_says_why(small_folder: Path, tmp_path: Path) -> None:
+    """A few hand-written tensors under a bare config (--allow-partial): no vocabulary to
+    draw ids from, and the model it describes (Llama's defaults, 7B) too large to load
+    whole; the summary says so."""
+    r = convert(small_folder, tmp_path / "out", SPEC.model_copy(update={"allow_partial": True}))
     assert r.self_check is not None and r.self_check["ran"] is False
-    assert "reads 'input_features', not token ids" in r.self_check["why"]
+    assert r.self_check["why"] == "config.json names no vocab_size to draw token ids from"

@@ -33,6 +33,8 @@ from tq_cli.errors import TqError, UnsupportedError
 # output of the same size is sqrt(2) away).
 FAR = 1.0
 TOKENS = 16  # one sequence of this many random ids
+# Where the blocks cannot run one at a time, sources up to this size are checked whole.
+WHOLE_MODEL_BYTES = 1 << 30
 
 
 class SelfCheckError(TqError):
@@ -48,7 +50,93 @@ def self_check(planned: Any, partial: Path, device: torch.device,
     try:
         return _check(planned, partial, device, t0, out or partial)
     except _Skip as e:
-        return {"ran": False, "why": str(e), "seconds": round(time.perf_counter() - t0, 3)}
+        why = str(e)
+    if _small(planned):
+        try:
+            return _whole(planned, partial, device, t0, out or partial, why)
+        except _Skip as e:
+            why = f"{why}; and the whole model: {e}"
+    return {"ran": False, "why": why, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _small(planned: Any) -> bool:
+    """Source and the model its config describes both small enough to load whole twice
+    (a partial source's config may describe a far larger model than its tensors)."""
+    if planned.model.total_bytes > WHOLE_MODEL_BYTES or planned.model.config is None:
+        return False
+    try:
+        from tq_cli.runtime.hf_models import build_skeleton
+
+        skeleton = build_skeleton(planned.folder, planned.model.config, real_buffers=False)
+    except Exception:
+        return False
+    return sum(p.numel() for p in skeleton.parameters()) * 4 <= 2 * WHOLE_MODEL_BYTES
+
+
+def _whole(planned: Any, partial: Path, device: torch.device, t0: float, label: Path,
+           why: str) -> dict[str, Any]:
+    """A small model whose blocks cannot run alone (an image-text encoder, Whisper's
+    audio, T5's tied encoder embedding): the whole converted checkpoint, as `tq_cli.load`
+    loads it, beside the original on one made-up input; the same measure, the output's
+    error over the original output's norm."""
+    from tq_cli.runtime.hf_models import load_plain
+    from tq_cli.runtime.loader import load
+
+    try:
+        ref = load_plain(planned.folder, device)
+        inputs = _made_up_inputs(ref)
+        with torch.no_grad():
+            y_ref = _output(ref(**inputs))
+    except Exception as e:
+        raise _Skip(_why(e)) from None
+    del ref
+    try:
+        model = load(partial, device=device, verify_checksums=False, compile=False)
+        with torch.no_grad():
+            y = _output(model(**inputs))
+    except Exception as e:
+        raise SelfCheckError(f"{label}: self-check: the converted model fails in "
+                             f"{type(e).__name__ if not isinstance(e, TqError) else 'tq'}"
+                             f" ({_why(e)}); the checkpoint was not written") from None
+    rel = _judge(label, "the output", y, y_ref, torch.zeros_like(y_ref))
+    return {"ran": True, "whole_model": True, "because": why,
+            "rel_errors": {"output": round(rel, 6)},
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _made_up_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A few tokens, and an image or audio features where the model reads them."""
+    cfg: Any = model.config
+    g = torch.Generator().manual_seed(0)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vocab = int(getattr(text, "vocab_size", 2) or 2)
+    dev = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (1, 8), generator=g)
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "input_features":  # Whisper: log-mel frames the encoder expects
+        out = {"input_features": torch.randn(1, cfg.num_mel_bins, 2 * cfg.max_source_positions,
+                                             generator=g)}
+    else:
+        out = {"input_ids": ids}
+    vision = getattr(cfg, "vision_config", None)
+    if vision is not None and getattr(vision, "image_size", None):
+        size = int(vision.image_size)
+        out["pixel_values"] = torch.randn(1, getattr(vision, "num_channels", 3), size, size,
+                                          generator=g)
+    if getattr(cfg, "is_encoder_decoder", False):
+        start = getattr(cfg, "decoder_start_token_id", None) or 0
+        out["decoder_input_ids"] = torch.full((1, 4), int(start))
+    return {k: v.to(dev) for k, v in out.items()}
+
+
+def _output(out: Any) -> torch.Tensor:
+    if hasattr(out, "image_embeds") and out.image_embeds is not None:
+        return torch.cat([out.image_embeds.flatten(), out.text_embeds.flatten()])
+    for field in ("logits", "last_hidden_state"):
+        value = getattr(out, field, None)
+        if value is not None:
+            return value
+    return _first(out)
 
 
 class _Skip(Exception):
@@ -140,7 +228,7 @@ def _compare_block(run: Any, i: int, args: tuple, kwargs: dict,
                     run.model.set_submodule(name, old)
     finally:
         weights.release(block)
-    return y_ref, _judge(out, f"block {i}", y, y_ref, x)
+    return y_ref, _judge(out.label, f"block {i}", y, y_ref, x)
 
 
 def _compare_head(run: Any, entry: Any, hidden: torch.Tensor, out: _Stored) -> float | None:
@@ -166,18 +254,18 @@ def _compare_head(run: Any, entry: Any, hidden: torch.Tensor, out: _Stored) -> f
                                      f"({_why(e)}); the checkpoint was not written") from None
     finally:
         weights.release(head)
-    return _judge(out, "the head", y, y_ref, torch.zeros_like(y_ref))
+    return _judge(out.label, "the head", y, y_ref, torch.zeros_like(y_ref))
 
 
-def _judge(out: _Stored, what: str, y: torch.Tensor, y_ref: torch.Tensor,
+def _judge(label: Path, what: str, y: torch.Tensor, y_ref: torch.Tensor,
            x: torch.Tensor) -> float:
     if not bool(torch.isfinite(y).all()):
-        raise SelfCheckError(f"{out.label}: self-check: {what} of the converted model gives "
+        raise SelfCheckError(f"{label}: self-check: {what} of the converted model gives "
                              "non-finite values; the checkpoint was not written")
     rel = _rel(y, y_ref, x)
     if rel >= FAR:
         raise SelfCheckError(
-            f"{out.label}: self-check: {what} of the converted model is {rel:.2f} of the "
+            f"{label}: self-check: {what} of the converted model is {rel:.2f} of the "
             f"original's output change away from it (no better than leaving it out at "
             f"{FAR:g}); the checkpoint was not written: report this with the model's "
             "config.json")
