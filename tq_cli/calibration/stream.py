@@ -20,6 +20,7 @@ import torch
 
 from tq_cli.calibration.hessian import InputGroup
 from tq_cli.calibration.run import BlockStates, CalibRun
+from tq_cli.device import release_free_memory
 from tq_cli.errors import TqError
 
 
@@ -159,6 +160,7 @@ class StreamedCalibration:
                 cache.clear()
         self._dropped.update(self._ready)
         self._ready.clear()
+        release_free_memory()
         try:
             _, groups = next(self._stages)
         except StopIteration:

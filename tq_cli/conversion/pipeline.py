@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tq_cli.device import release_free_memory
 from tq_cli.errors import NonFiniteError, UnsupportedError
 from tq_cli.io.format import CONVERTED, stored_tensors
 from tq_cli.io.safetensors_reader import read_tensor, tensor_sha256
@@ -259,6 +260,8 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         head = item.plan.head  # the weight-only fit on the head's grid (tq_cli.quant.head)
         res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device,
                               None if head else calib, item.col_scale, norm)
+        if calib is not None:  # a calibrated fit frees about 2 n^2 floats: hand them back
+            release_free_memory()
         if head:
             res = replace(res, q=finish_head(res.q, item.w_rot, rotated=True))
         if item.original is not None:  # the error of what is stored against what was read
