@@ -91,6 +91,9 @@ def family(request: pytest.FixtureRequest,
 def test_each_family_converts_loads_runs_and_dequantizes(family: Any,
                                                          fp32_products: None) -> None:
     _, src, out, result, inputs = family
+    # the conversion's own self-check ran (block by block, or the whole small model)
+    assert result.self_check is not None and result.self_check["ran"] is True
+    assert 0 < max(result.self_check["rel_errors"].values()) < 0.5
     tq = tq_cli.load(out, device="cpu")
     assert tq.tq_report["layers"] == result.tensors_converted > 0
     original = type(tq).from_pretrained(src).eval()

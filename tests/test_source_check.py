@@ -129,17 +129,12 @@ def test_a_vlm_without_its_vision_tower_is_refused(tmp_path: Path, vision: bool)
                           "config.json describes has parameter 'model.vision_tower.")
 
 
-def test_the_loader_refuses_what_transformers_would_initialise(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A checkpoint written without the convert-time check (an older tq, another tool):
+def test_the_loader_refuses_what_transformers_would_initialise(tmp_path: Path) -> None:
+    """A checkpoint of a partial source (written with --allow-partial, or by an older tq):
     tq_cli.load and from_pretrained refuse the parameter by name; two loads never differ."""
-    import tq_cli.runtime.source_check as check
-
     src = _saved(tmp_path, "qwen3_moe")
     _edit(src, drop=("model.layers.0.mlp.gate.weight",))
-    with monkeypatch.context() as m:
-        m.setattr(check, "source_mismatch", lambda *a: None)
-        convert(src, tmp_path / "out", SPEC)
+    convert(src, tmp_path / "out", SPEC.model_copy(update={"allow_partial": True}))
     want = (f"{tmp_path / 'out'}: Qwen3MoeForCausalLM has parameter "
             "'model.layers.0.mlp.gate.weight' that the checkpoint does not hold (transformers "
             "would initialise it at random); convert the complete original folder again")
@@ -218,3 +213,23 @@ def test_allow_partial_converts_it_with_a_warning_and_the_loader_still_refuses(
     with pytest.raises(CorruptFileError, match=r"'model\.layers\.0\.mlp\.gate\.weight' that the "
                                                r"checkpoint does not hold"):
         tq_cli.load(tmp_path / "out", device="cpu")
+
+
+def test_a_tied_pair_is_filled_from_either_side(tmp_path: Path) -> None:
+    """A tied head stored under lm_head's name only (the embedding absent): transformers
+    ties it the other way, so the source is complete."""
+    import transformers as T
+    from families import TEXT
+
+    from tq_cli.io.safetensors_reader import open_source
+    from tq_cli.runtime.module_map import build_in_folder
+    from tq_cli.runtime.source_check import source_mismatch
+
+    torch.manual_seed(0)
+    model = T.Qwen3ForCausalLM(T.Qwen3Config(**TEXT, head_dim=24, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path / "src")
+    _edit(tmp_path / "src", drop=("model.embed_tokens.weight",),
+          add={"lm_head.weight": "model.embed_tokens.weight"})
+    source = open_source(tmp_path / "src")
+    assert source_mismatch(build_in_folder(source.folder, source.config),
+                           source.tensors) is None

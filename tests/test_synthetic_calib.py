@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -190,7 +191,10 @@ def test_without_a_tokenizer_ids_come_from_the_configs_vocabulary(tiny_llama: Pa
     record = json.loads((tmp_path / "out" / "tq_manifest.json").read_text())["calibration"]
     assert record["synthetic"] == "random-ids"
     assert record["tokens"] == ConvertSpec(quant=QUANT).self_calib_tokens
-    ids = random_token_ids(cfg["vocab_size"], special, 1000, seed=0)
+    # the ids the manifest records are the draw: from the vocabulary, no special id
+    ids = random_token_ids(cfg["vocab_size"], special, record["tokens"], seed=0)
+    assert hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest() == \
+        record["ids_sha256"]
     assert not set(ids) & special and max(ids) < cfg["vocab_size"]
     again = convert(src, tmp_path / "again", ConvertSpec(quant=QUANT, device="cpu"))
     assert again.mean_rel_error == r.mean_rel_error

@@ -236,6 +236,8 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
                     warn(msg)  # another rank's note (a fallback, a clamped value)
         if comm.rank > 0:
             result = comm.broadcast(None)
+            if isinstance(result, str):  # rank 0 failed while finishing (its self-check)
+                raise TqError(f"rank 0: {result}")
             assert isinstance(result, ConvertResult)
             return result
         journal.rewrite(list(done.values()))
@@ -243,9 +245,14 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     resumed = sum(1 for t in plan.tensors if t.info.name in done) - len(todo)
     for note in fallbacks:
         warn(note)
-    result = finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
-                     max(resumed, 0), warnings, provenance,
-                     check=lambda folder: self_check(planned, folder, device, out))
+    try:
+        result = finish(plan, partial, out, done, spec, device, time.perf_counter() - t0,
+                         max(resumed, 0), warnings, provenance,
+                         check=lambda folder: self_check(planned, folder, device, out))
+    except BaseException as e:
+        if comm.world > 1:  # the other ranks wait for the result: they get the error
+            comm.broadcast(str(e) or type(e).__name__)
+        raise
     result.check_seconds = planned.check_seconds
     if comm.world > 1:
         comm.broadcast(result)

@@ -41,6 +41,7 @@ class PlannedSource:
     head: HeadPlan | None = None  # see make_plan
     notes: list[str] = field(default_factory=list)  # what the user should hear about it
     check_seconds: float = 0.0  # spent asking transformers what it will build
+    partial: bool = False  # not the whole model its config.json describes (--allow-partial)
 
     @property
     def converted_names(self) -> list[str]:
@@ -135,6 +136,7 @@ def _check_complete(planned: PlannedSource, skeleton: Any, allow_partial: bool) 
     where = (planned.model.tensors[found.tensor].file if found.tensor is not None
              else planned.folder / "config.json")
     if allow_partial:
+        planned.partial = True
         planned.notes.append(f"--allow-partial: {where}: {found.message.split('; ')[0]}; a "
                              "loader will refuse the checkpoint where it cannot fill that")
         return

@@ -36,7 +36,7 @@ from tq_cli.io.format import (
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import DTYPES, read_header
 from tq_cli.runtime.source_check import refuse_incomplete
-from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
+from tq_cli.runtime.tq_linear import PackedWeight, RotationMaterial, TQLinear
 
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -182,7 +182,15 @@ def _refuse_random_init(model: nn.Module, folder: Path) -> None:
 
     def checked(info: Any) -> None:
         adjust(info)
-        why = refuse_incomplete(str(folder), cls, info)
+        # A missing buffer other than tq's own is made by the model's constructor (rotary
+        # tables), not drawn at random; a tensor the class does not use is only refused
+        # when the class is the one config.json names (a base model loaded from a
+        # checkpoint with a head drops the head, as transformers intends).
+        stored = {f"{m}.{b}" if m else b for m, mod in model.named_modules()
+                  if isinstance(mod, PackedWeight | RotationMaterial) for b in mod._buffers}
+        wanted = {n for n, _ in model.named_parameters()} | stored
+        own = cls in (getattr(getattr(model, "config", None), "architectures", None) or [])
+        why = refuse_incomplete(str(folder), cls, info, wanted, own)
         if why is not None:
             info.missing_keys, info.unexpected_keys = set(), set()
             info.mismatched_keys = set()

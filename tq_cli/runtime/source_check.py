@@ -73,13 +73,15 @@ def source_mismatch(model: nn.Module, tensors: dict[str, TensorInfo]) -> Mismatc
     prefix = getattr(model, "base_model_prefix", "") or ""
     cls = type(model).__name__
     filled: set[str] = set()
-    unexpected: list[str] = []
     wrong: list[tuple[str, str]] = []
     experts: dict[tuple[str, str], tuple[str, set[int]]] = {}
+    keys_of: dict[str, str] = {}
     for name, info in tensors.items():
         key, pattern = rename_source_key(name, renamings, converters, prefix, params)
+        if key not in params and name in params:  # as the loader: a rename that lands
+            key, pattern = name, None  # nowhere is not applied
         if key not in params:
-            unexpected.append(name)
+            keys_of[key] = name
             continue
         filled.add(key)
         filled.update(_other_targets(key, pattern, converters, params))
@@ -96,7 +98,8 @@ def source_mismatch(model: nn.Module, tensors: dict[str, TensorInfo]) -> Mismatc
                         f"{list(tensors[name].shape)}, but the {cls} config.json describes "
                         f"needs {list(params[key].shape)} for '{key}'; fix config.json or "
                         "convert the original folder", name, len(wrong))
-    unexpected = _not_ignored(model, "unexpected", unexpected)
+    left = set(_not_ignored(model, "unexpected", list(keys_of)))  # the renamed keys, as
+    unexpected = [n for k, n in keys_of.items() if k in left]  # transformers matches them
     if unexpected:
         return Mismatch(f"tensor '{unexpected[0]}'{_more(len(unexpected))} is no parameter "
                         f"of the {cls} config.json describes, and would be dropped on load; "
@@ -158,11 +161,14 @@ def _expert_index(name: str, key: str, renamings: list[Any], prefix: str,
     return int(number) if number.isdigit() else None
 
 
-def refuse_incomplete(where: str, cls: str, info: Any) -> str | None:
+def refuse_incomplete(where: str, cls: str, info: Any, wanted: set[str] | None = None,
+                      own_class: bool = True) -> str | None:
     """One line naming what transformers' `LoadStateDictInfo` reports missing, unexpected
-    or mismatched (which it would initialise at random, or drop), or None."""
-    missing = sorted(info.missing_keys)
-    unexpected = sorted(info.unexpected_keys)
+    or mismatched (which it would initialise at random, or drop), or None. `wanted`: the
+    keys whose absence counts (parameters and tq's stored buffers; None: all);
+    `own_class`: the class config.json names, so that a tensor it does not use is wrong."""
+    missing = sorted(k for k in info.missing_keys if wanted is None or k in wanted)
+    unexpected = sorted(info.unexpected_keys) if own_class else []
     mismatched = sorted(info.mismatched_keys)
     if mismatched:
         key, got, want = mismatched[0]
