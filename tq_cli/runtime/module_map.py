@@ -204,15 +204,23 @@ def _expert_placement(name: str, key: str, plain: str, pattern: str, converters:
         return Placement(name, None, why)
     # The expert's number and own name: what follows the experts module's name in the
     # checkpoint's key as renamed without the converter ("3.w1.weight").
-    leaf = "." + path.rpartition(".")[2] + "."
-    at = ("." + plain).rfind(leaf)
-    tail = ("." + plain)[at + len(leaf):] if at >= 0 else ""
-    number, _, own = tail.partition(".")
+    number, own = expert_tail(plain, path)
     if not number.isdigit() or not own.endswith("weight") or own == "weight":
         return merged
     role = roles[converter.source_patterns.index(pattern)]
     child = f"{number}.{own.removesuffix('.weight')}"
     return Placement(name, f"{path}.{child}", expert=Expert(path, int(number), role))
+
+
+def expert_tail(plain: str, path: str) -> tuple[str, str]:
+    """(expert number, its own name) of a per-expert key renamed without converters
+    ("...experts.3.w1.weight" -> ("3", "w1.weight")), given the experts module's path:
+    what follows that module's last name in the key."""
+    leaf = "." + path.rpartition(".")[2] + "."
+    at = ("." + plain).rfind(leaf)
+    tail = ("." + plain)[at + len(leaf):] if at >= 0 else ""
+    number, _, own = tail.partition(".")
+    return number, own
 
 
 def _placement(name: str, key: str, modules: dict[str, nn.Module],

@@ -151,13 +151,10 @@ def _expert_index(name: str, key: str, renamings: list[Any], prefix: str,
     follows the experts module's name in the key renamed without the converter)."""
     from transformers.core_model_loading import rename_source_key
 
+    from tq_cli.runtime.module_map import expert_tail
+
     plain, _ = rename_source_key(name, renamings, [], prefix, params)
-    path = key.rpartition(".")[0]
-    leaf = "." + path.rpartition(".")[2] + "."
-    at = ("." + plain).rfind(leaf)
-    if at < 0:
-        return None
-    number = ("." + plain)[at + len(leaf):].partition(".")[0]
+    number, _ = expert_tail(plain, key.rpartition(".")[0])
     return int(number) if number.isdigit() else None
 
 
