@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tq_cli.quant.grouped import quantize
+from tq_cli.quant.prepare import quantize
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels import cpu, isas

@@ -23,9 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tq_cli.quant.choose import CalibOptions, quantize_tensor
-from tq_cli.quant.colscale import sinkhorn_columns
-from tq_cli.quant.grouped import rotate_owned
+from tq_cli.quant.choose import CalibOptions, fit_weight
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec, convert_default_col_scale
 from tq_kernels import isas
@@ -78,11 +76,7 @@ def main() -> int:
     prof = cProfile.Profile()
     t = time.perf_counter()
     prof.enable()
-    norm = float(torch.linalg.vector_norm(w, dtype=torch.float64) ** 2)
-    ww = w.clone()
-    t_col = sinkhorn_columns(ww)
-    ww = rotate_owned(ww.div_(t_col), rot)
-    res = quantize_tensor("w", ww, spec, rot, torch.device("cpu"), calib, t_col, norm)
+    res = fit_weight("w", w.clone(), spec, rot, torch.device("cpu"), calib, owned=True)
     prof.disable()
     wall = time.perf_counter() - t
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]

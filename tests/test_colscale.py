@@ -18,9 +18,10 @@ from tq_cli.app import app
 from tq_cli.conversion.converter import ConvertSpec, convert
 from tq_cli.io.format import FORMAT_VERSION
 from tq_cli.io.integrity import config_digest, manifest_digest
-from tq_cli.quant.choose import CalibOptions, quantize_tensor
+from tq_cli.quant.choose import CalibOptions, fit_weight, quantize_tensor
 from tq_cli.quant.colscale import scale_hessian, sinkhorn_columns
-from tq_cli.quant.grouped import dequantize, quantize
+from tq_cli.quant.grouped import dequantize
+from tq_cli.quant.prepare import prepare_weight, quantize
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_cli.runtime.tq_linear import TQLinear
@@ -105,10 +106,12 @@ def test_the_calibrated_fit_minimises_the_original_weighted_error() -> None:
     h = (x.T.double() @ x.double()) / x.shape[0]
     spec = QuantSpec(bits=3, group_size=64, col_scale="sinkhorn")
     rot = make_rotation(RotationSpec(seed=2), n, 64)
-    t = sinkhorn_columns(w)
-    w_rot = rot.rotate_rows(w / t)
-    res = quantize_tensor("w", w_rot, spec, rot, torch.device("cpu"),
-                          CalibOptions(_Hessians(h)), t)
+    prepared = prepare_weight(w, spec, rot)
+    t = prepared.col_scale
+    assert t is not None and torch.equal(t, sinkhorn_columns(w))
+    assert torch.equal(prepared.w_rot, rot.rotate_rows(w / t))
+    res = quantize_tensor("w", prepared, spec, rot, torch.device("cpu"),
+                          CalibOptions(_Hessians(h)))
     dw = (dequantize(res.q) - w).double()
     assert res.weighted_error == pytest.approx(float(torch.trace(dw @ h @ dw.T)), rel=1e-4)
     assert res.q.rel_error == pytest.approx(float(dw.pow(2).sum() / w.double().pow(2).sum()),
@@ -116,7 +119,8 @@ def test_the_calibrated_fit_minimises_the_original_weighted_error() -> None:
     assert torch.allclose(scale_hessian(h, t), torch.diag(t.double()) @ h @
                           torch.diag(t.double()))
     with pytest.raises(ValueError, match="col_scale 'sinkhorn' but column scales missing"):
-        quantize_tensor("w", w_rot, spec, rot, torch.device("cpu"), None)
+        quantize_tensor("w", prepare_weight(w, spec.model_copy(update={"col_scale": "none"}),
+                                            rot), spec, rot, torch.device("cpu"), None)
 
 
 def test_a_scaled_tensor_s_factor_is_kept_only_while_it_is_asked_for(
@@ -136,10 +140,9 @@ def test_a_scaled_tensor_s_factor_is_kept_only_while_it_is_asked_for(
     slot = calib.calibration.__dict__
     for name, seed in (("a", 5), ("a", 5), ("b", 6)):
         w = _heavy_columns(32, 128, seed=seed)
-        t = sinkhorn_columns(w)
         for bits in (3, 4):
-            quantize_tensor(name, rot.rotate_rows(w / t), QuantSpec(bits=bits, group_size=64,
-                            col_scale="sinkhorn"), rot, torch.device("cpu"), calib, t)
+            spec = QuantSpec(bits=bits, group_size=64, col_scale="sinkhorn")
+            fit_weight(name, w, spec, rot, torch.device("cpu"), calib)
         assert [k[0] for k in slot["_tq_prepared_scaled"]] == [name]
     assert made == [128, 128]  # "a" once (four fits), "b" once (two)
 

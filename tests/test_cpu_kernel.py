@@ -19,7 +19,8 @@ import warnings
 import pytest
 import torch
 
-from tq_cli.quant.grouped import QuantizedTensor, dequantize_rotated, quantize
+from tq_cli.quant.grouped import QuantizedTensor, dequantize_rotated
+from tq_cli.quant.prepare import quantize
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels import cpu, cpu_build, dispatch, reference

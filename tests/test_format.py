@@ -37,7 +37,8 @@ from tq_cli.io.format import (
 from tq_cli.io.manifest import read_manifest
 from tq_cli.io.safetensors_reader import DTYPES, INDEX_NAME, read_header
 from tq_cli.io.writer import nbytes
-from tq_cli.quant.grouped import QuantizedTensor, quantize
+from tq_cli.quant.grouped import QuantizedTensor
+from tq_cli.quant.prepare import quantize
 from tq_cli.quant.rotation import material_layout
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 

@@ -21,7 +21,8 @@ from tq_cli.app import app
 from tq_cli.errors import TqError
 from tq_cli.io.safetensors_reader import read_header
 from tq_cli.kvcache.cache import make_spec
-from tq_cli.quant.grouped import dequantize, quantize
+from tq_cli.quant.grouped import dequantize
+from tq_cli.quant.prepare import quantize
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_cli.seedsearch.ranges import parse_seeds
 

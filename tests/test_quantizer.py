@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tq_cli.quant.codebook import lloyd_max_gaussian
-from tq_cli.quant.grouped import dequantize, dequantize_rotated, outlier_count, quantize
+from tq_cli.quant.grouped import dequantize, dequantize_rotated, outlier_count
+from tq_cli.quant.prepare import quantize
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 
 # Lloyd-Max MSE for N(0,1) at 2, 3, 4 bits (Max 1960).

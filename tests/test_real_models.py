@@ -69,7 +69,7 @@ def test_smollm2_beats_round_to_nearest(smol_tq4: Path, smollm2: Path) -> None:
     plain round-to-nearest at the same bits and group size (no rotation, absmax grid)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tq_cli.quant.grouped import quantize
+    from tq_cli.quant.prepare import quantize
     from tq_cli.quant.spec import RotationSpec
 
     tok = AutoTokenizer.from_pretrained(smollm2)

@@ -22,7 +22,7 @@ from tq_cli.version import __version__
 __getattr__ = _lazy_face(__name__, {
     "convert": "conversion.converter",
     "ConvertSpec": "conversion.spec",
-    "quantize": "quant.grouped",
+    "quantize": "quant.prepare",
     "dequantize": "quant.grouped",
     "QuantizedTensor": "quant.grouped",
     "QuantSpec": "quant.spec",
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from tq_cli.errors import TqError
     from tq_cli.kvcache.cache import kv_cache
     from tq_cli.kvcache.spec import KVSpec
-    from tq_cli.quant.grouped import QuantizedTensor, dequantize, quantize
+    from tq_cli.quant.grouped import QuantizedTensor, dequantize
+    from tq_cli.quant.prepare import quantize
     from tq_cli.quant.spec import QuantSpec, RotationSpec
     from tq_cli.runtime.loader import load
 

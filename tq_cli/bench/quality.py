@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tq_cli.bench.metrics import Metric
-from tq_cli.quant.grouped import quantize
+from tq_cli.quant.prepare import quantize
 from tq_cli.quant.rotation import make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 

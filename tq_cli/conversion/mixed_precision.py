@@ -40,7 +40,7 @@ from tq_cli.io.safetensors_reader import read_weight
 from tq_cli.io.writer import nbytes
 from tq_cli.planning.plan import Plan
 from tq_cli.quant.choose import CalibOptions, quantize_tensor
-from tq_cli.quant.colscale import sinkhorn_columns
+from tq_cli.quant.prepare import prepare_weight
 from tq_cli.quant.rotation import Rotation, make_rotation
 from tq_cli.quant.spec import QuantSpec
 
@@ -270,15 +270,13 @@ def choose_bits(plan: Plan, target: float, choices: tuple[int, ...], device: tor
             share = sum(plan.layout.slots[k].nbytes for k, _, _ in rp.keys) * 8 / rp.users
         else:
             rot, share = Rotation("none", n, tp.block, 0), 0.0
-        t = sinkhorn_columns(w) if tp.quant.col_scale != "none" else None
-        w_rot = rot.rotate_rows(w / t if t is not None else w)
-        norm = float(w.double().pow(2).sum())
+        prepared = prepare_weight(w, tp.quant, rot, owned=True)
         options[name] = {}
         for bits in choices:
             spec = tp.quant.model_copy(update={"bits": bits})
-            res = quantize_tensor(name, w_rot, spec, rot, device, calib, t, norm)
+            res = quantize_tensor(name, prepared, spec, rot, device, calib)
             err = res.weighted_error if res.weighted_error is not None \
-                else res.q.rel_error * norm
+                else res.q.rel_error * prepared.norm
             options[name][bits] = (err, storage_bits(out, n, spec) + round(share))
         numel[name] = tp.info.numel
         if progress:

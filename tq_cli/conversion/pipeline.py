@@ -28,18 +28,16 @@ from tq_cli.io.safetensors_reader import read_tensor, tensor_sha256
 from tq_cli.io.writer import ShardWriter
 from tq_cli.planning.plan import TensorPlan
 from tq_cli.quant.choose import CalibOptions, quantize_tensor
-from tq_cli.quant.colscale import sinkhorn_columns
 from tq_cli.quant.grouped import (
     FP16_MAX,
     QuantizedTensor,
     dequantize,
     native_available,
-    rotate_owned,
     scan_values,
     set_fit_threads,
-    sq_norm,
 )
 from tq_cli.quant.head import finish_head
+from tq_cli.quant.prepare import PreparedWeight, prepare_weight
 from tq_cli.quant.rotation import Rotation
 
 
@@ -62,13 +60,13 @@ class _Read:
 @dataclass
 class _Rotated:
     plan: TensorPlan
-    w_rot: torch.Tensor
+    # The weight as read (float32, this stage's own) until it is prepared: a spec that
+    # scales columns is prepared by the quantize workers, which run in parallel.
+    weight: torch.Tensor | None
+    prepared: PreparedWeight | None
     rotation: Rotation
     nonfinite: int
     source_sha256: str
-    # t, when the spec scales columns: w_rot is then W/t R; _UNSCALED: t is not computed
-    # yet and w_rot is W itself (the quantize workers scale and rotate it, in parallel)
-    col_scale: torch.Tensor | None = None
     # With --allow-nonfinite, the values as read where some were clamped (NaN/Inf as 0):
     # the reported error is against these, not against the clamped copy that was fitted.
     original: torch.Tensor | None = None
@@ -78,8 +76,6 @@ class _Rotated:
 # normal 2-bit fit loses about 12%): refused by name rather than written.
 MAX_REL_ERROR = 0.5
 TINY_RMS = 1e-5  # weights this small are at fp16 scales' resolution
-
-_UNSCALED = torch.empty(0)  # _Rotated.col_scale of a weight not yet scaled nor rotated
 
 
 @dataclass
@@ -235,12 +231,11 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         rot = (rotations[tp.rotation_id] if tp.rotation_id
                else Rotation("none", w.shape[1], tp.block, 0))
         item_original = original if huge else None
-        if tp.quant is not None and tp.quant.col_scale != "none":
-            # scaled and rotated by the quantize workers, which run in parallel
-            return _Rotated(tp, w, rot, nonfinite, item.source_sha256, _UNSCALED,
-                            item_original)
-        return _Rotated(tp, rotate_owned(w, rot), rot, nonfinite, item.source_sha256,
-                        original=item_original)
+        assert tp.quant is not None
+        if tp.quant.col_scale != "none":
+            return _Rotated(tp, w, None, rot, nonfinite, item.source_sha256, item_original)
+        return _Rotated(tp, None, prepare_weight(w, tp.quant, rot, owned=True), rot,
+                        nonfinite, item.source_sha256, item_original)
 
     thin: list[str] = []  # experts routed too few tokens to fit with their Hessian
 
@@ -252,26 +247,26 @@ def stream(todo: list[TensorPlan], writer: ShardWriter, rotations: dict[str, Rot
         assert item.plan.quant is not None
         t0 = time.perf_counter()
         name = item.plan.info.name
-        norm = None
-        if item.col_scale is _UNSCALED:
-            norm = sq_norm(item.w_rot)
-            item.col_scale = sinkhorn_columns(item.w_rot)
-            item.w_rot = rotate_owned(item.w_rot.div_(item.col_scale), item.rotation)
+        if item.prepared is None:
+            assert item.weight is not None
+            item.prepared = prepare_weight(item.weight, item.plan.quant, item.rotation,
+                                           owned=True)
+            item.weight = None
+        p = item.prepared
         head = item.plan.head  # the weight-only fit on the head's grid (tq_cli.quant.head)
-        res = quantize_tensor(name, item.w_rot, item.plan.quant, item.rotation, device,
-                              None if head else calib, item.col_scale, norm)
+        res = quantize_tensor(name, p, item.plan.quant, item.rotation, device,
+                              None if head else calib)
         if calib is not None:  # a calibrated fit frees about 2 n^2 floats: hand them back
             release_free_memory()
         if head:
-            res = replace(res, q=finish_head(res.q, item.w_rot, rotated=True))
+            res = replace(res, q=finish_head(res.q, p.w_rot, rotated=True))
         if item.original is not None:  # the error of what is stored against what was read
             w0 = item.original
             err = float(torch.linalg.vector_norm(w0 - dequantize(res.q), dtype=torch.float64))
             norm0 = float(torch.linalg.vector_norm(w0, dtype=torch.float64))
             res = replace(res, q=replace(res.q, rel_error=(err / norm0) ** 2 if norm0 else 0.0))
         if res.q.rel_error > MAX_REL_ERROR and item.original is None:
-            rms = math.sqrt((norm if norm is not None else sq_norm(item.w_rot))
-                            / max(1, item.w_rot.numel()))
+            rms = math.sqrt(p.norm / max(1, p.w_rot.numel()))
             tiny = (f"; its values (RMS {rms:.2g}) are below what fp16 group scales resolve"
                     if rms < TINY_RMS else "")
             raise UnsupportedError(

@@ -22,11 +22,8 @@ from tq_cli.quant.gptq import (
     prepare_hessian,
     rotate_hessian_,
 )
-from tq_cli.quant.grouped import (
-    QuantizedTensor,
-    quantize_rotated,
-    with_col_scale,
-)
+from tq_cli.quant.grouped import QuantizedTensor, quantize_rotated
+from tq_cli.quant.prepare import PreparedWeight, prepare_weight, with_scales
 from tq_cli.quant.rotation import Rotation
 from tq_cli.quant.spec import QuantSpec
 
@@ -62,37 +59,44 @@ class TensorResult:
     fallback: str | None  # why a tensor with --calib was quantized data-free
 
 
-def quantize_tensor(name: str, w_rot: torch.Tensor, spec: QuantSpec, rotation: Rotation,
-                    device: torch.device, calib: CalibOptions | None,
-                    col_scale: torch.Tensor | None = None,
-                    norm: float | None = None) -> TensorResult:
-    """`w_rot`: the rotated weight, its columns already divided by `col_scale` (t) when the
-    spec scales them (tq_cli.quant.colscale); the result stores t. `norm`: ||W||^2 of the
-    unscaled weight, where the caller has it (saves a pass)."""
-    if (spec.col_scale != "none") != (col_scale is not None):
+def quantize_tensor(name: str, prepared: PreparedWeight, spec: QuantSpec,
+                    rotation: Rotation, device: torch.device,
+                    calib: CalibOptions | None) -> TensorResult:
+    """Fit one weight prepared by `prepare_weight` (scaled and rotated under `spec` and
+    `rotation`): calibrated when `calib` has a usable H for `name`, data-free otherwise.
+    The result stores the column scales and its error on the weight as read."""
+    if (spec.col_scale != "none") != (prepared.col_scale is not None):
         raise ValueError(f"tensor '{name}': spec col_scale '{spec.col_scale}' but column "
-                         f"scales {'given' if col_scale is not None else 'missing'}")
-
-    def done(q: QuantizedTensor) -> QuantizedTensor:
-        return q if col_scale is None else with_col_scale(q, w_rot, col_scale, norm)
-
+                         f"scales {'given' if prepared.col_scale is not None else 'missing'}")
+    w_rot = prepared.w_rot
     if calib is None:
-        return TensorResult(done(quantize_rotated(w_rot, spec, rotation, device)), {}, None,
-                            None)
+        return TensorResult(with_scales(quantize_rotated(w_rot, spec, rotation, device),
+                                        prepared), {}, None, None)
     h = calib.calibration.hessian(name)
     reason = "saw no calibration tokens" if h is None else calib.calibration.unusable(name)
     if h is not None and reason is None:
         try:
-            prepared = _prepared(name, h, rotation, device, calib, col_scale)
-            fitted = fit_calibrated(w_rot, prepared, spec, rotation, damp=calib.damp,
+            ph = _prepared(name, h, rotation, device, calib, prepared.col_scale)
+            fitted = fit_calibrated(w_rot, ph, spec, rotation, damp=calib.damp,
                                     act_order=calib.act_order, device=device)
             # tr(dW' H' dW'^T) = tr(dW H dW^T): the weighted error needs no correction.
             rec = {"calibrated": True, "weighted_rel_error": fitted.relative_weighted_error}
-            return TensorResult(done(fitted.q), rec, fitted.weighted_error, None)
+            return TensorResult(with_scales(fitted.q, prepared), rec, fitted.weighted_error,
+                                None)
         except CalibrationUnusableError as e:
             reason = str(e)
     q = quantize_rotated(w_rot, spec, rotation, device)
-    return TensorResult(done(q), {"calibrated": False, "fallback": reason}, None, reason)
+    return TensorResult(with_scales(q, prepared), {"calibrated": False, "fallback": reason},
+                        None, reason)
+
+
+def fit_weight(name: str, w: torch.Tensor, spec: QuantSpec, rotation: Rotation,
+               device: torch.device, calib: CalibOptions | None, *,
+               owned: bool = False) -> TensorResult:
+    """`prepare_weight` then `quantize_tensor`: one float32 weight [out, in] as read, fitted
+    the way `convert` fits it."""
+    return quantize_tensor(name, prepare_weight(w, spec, rotation, owned=owned), spec,
+                           rotation, device, calib)
 
 
 # Rotated, checked and factored Hessians of the last few input groups: q, k and v (gate and

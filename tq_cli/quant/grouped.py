@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from tq_cli.quant.codebook import initial_codebook, nearest
-from tq_cli.quant.colscale import sinkhorn_columns, true_sq
-from tq_cli.quant.rotation import Rotation, make_rotation
-from tq_cli.quant.spec import QuantSpec, RotationSpec, temperature_auto
+from tq_cli.quant.colscale import true_sq
+from tq_cli.quant.rotation import Rotation
+from tq_cli.quant.spec import QuantSpec, temperature_auto
 from tq_kernels.packing import pack_codes, packed_row_bytes
 from tq_kernels.reference import dequantize_codes
 
@@ -66,23 +66,6 @@ def group_count(n: int, group_size: int) -> int:
 def outlier_count(numel: int, fraction: float) -> int:
     """How many entries are kept exactly; fixed by shape so outputs can be planned."""
     return math.floor(numel * fraction)
-
-
-def quantize(weight: torch.Tensor, spec: QuantSpec,
-             rotation: RotationSpec | Rotation | None = None,
-             device: torch.device | str | None = None) -> QuantizedTensor:
-    """Rotate `weight` [out, in] and quantize it (its columns scaled first when
-    `spec.col_scale` says so)."""
-    if weight.dim() != 2:
-        raise ValueError(f"quantize needs a 2-D weight, got shape {tuple(weight.shape)}")
-    rot = rotation if isinstance(rotation, Rotation) else make_rotation(
-        rotation or RotationSpec(kind="hadamard"), weight.shape[1], spec.group_size)
-    if spec.col_scale == "none":
-        return quantize_rotated(rot.rotate_rows(weight.float()), spec, rot, device)
-    t = sinkhorn_columns(weight)
-    w_rot = rot.rotate_rows(weight.float() / t.to(weight.device))
-    norm = sq_norm(weight.float())
-    return with_col_scale(quantize_rotated(w_rot, spec, rot, device), w_rot, t, norm)
 
 
 def dequantize_rotated(q: QuantizedTensor) -> torch.Tensor:

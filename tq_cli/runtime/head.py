@@ -24,7 +24,6 @@ from torch import nn
 
 from tq_cli.errors import UnsupportedError
 from tq_cli.io.format import SUFFIXES
-from tq_cli.quant.grouped import quantize
 from tq_cli.quant.head import (
     HEAD_BITS,
     HEAD_GROUP,
@@ -33,6 +32,7 @@ from tq_cli.quant.head import (
     head_rotation,
     head_spec,
 )
+from tq_cli.quant.prepare import quantize
 from tq_cli.runtime.tq_linear import RotationMaterial, TQLinear
 
 

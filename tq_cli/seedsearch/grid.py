@@ -42,8 +42,9 @@ from tq_cli.io.seeds import SEEDS_FORMAT
 from tq_cli.planning.plan import TensorPlan
 from tq_cli.planning.prepare import plan_source
 from tq_cli.quant.choose import CalibOptions, quantize_tensor
-from tq_cli.quant.colscale import scale_hessian, sinkhorn_columns
-from tq_cli.quant.grouped import dequantize_rotated, quantize_rotated, with_col_scale
+from tq_cli.quant.colscale import scale_hessian
+from tq_cli.quant.grouped import dequantize_rotated, quantize_rotated, sq_norm
+from tq_cli.quant.prepare import column_scales, prepare_weight, with_scales
 from tq_cli.quant.rotation import Rotation, make_rotation
 from tq_cli.quant.spec import QuantSpec, RotationSpec, convert_default_col_scale
 from tq_cli.seedsearch.distributed import Comm
@@ -174,10 +175,9 @@ class _Scorer:
         self.screen_quant = self.quant.model_copy(update=SCREEN)
         has_h = calib is not None and calib.calibration.hessian(tp.info.name) is not None
         self.calib = calib if has_h else None  # no H for this tensor: scored by mse
-        # Column scales do not depend on the seed: W / t is what every seed rotates.
-        self.t = sinkhorn_columns(w) if self.quant.col_scale != "none" else None
-        self.w_scaled = w / self.t if self.t is not None else w
-        self.norm = float(torch.linalg.vector_norm(w.float(), dtype=torch.float64) ** 2)
+        # Column scales do not depend on the seed: computed once, used by every seed.
+        self.t = column_scales(w, self.quant)
+        self.norm = sq_norm(w)
 
     def rotation(self, seed: int) -> Rotation:
         assert self.tp.rotation is not None
@@ -186,16 +186,15 @@ class _Scorer:
 
     def score(self, seed: int, stage: str) -> float:
         rot = self.rotation(seed)
-        w_rot = rot.rotate_rows(self.w_scaled)
+        p = prepare_weight(self.w, self.quant, rot, col_scale=self.t, norm=self.norm)
+        w_rot = p.w_rot
         if stage == "exact":  # exactly what convert (--calib) runs for this tensor
-            res = quantize_tensor(self.tp.info.name, w_rot, self.quant, rot, self.device,
-                                  self.calib, self.t, self.norm)
+            res = quantize_tensor(self.tp.info.name, p, self.quant, rot, self.device,
+                                  self.calib)
             return float(res.record.get("weighted_rel_error", res.q.rel_error))
         q = quantize_rotated(w_rot, self.screen_quant, rot, self.device)
         if self.calib is None:
-            if self.t is None:
-                return q.rel_error
-            return with_col_scale(q, w_rot, self.t, self.norm).rel_error
+            return with_scales(q, p).rel_error
         from tq_cli.quant.gptq import relative_weighted_error, rotate_hessian
 
         h = self.calib.calibration.hessian(self.tp.info.name)
