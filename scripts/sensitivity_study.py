@@ -10,7 +10,7 @@ Hadamard, group 128, the fit calibrated on --calib-tokens random tokens: the Hes
    (`prepare_weight`, `quantize_tensor`), kept dequantized;
 2. what each (tensor, width) is predicted to cost the model, from:
    - `hessian`: tr(dW H dW^T), H = E[x x^T] on the calibration tokens (what `--target-bits`
-     minimises today: HAWQ's proxy);
+     minimises today: HAWQ's proxy); `hessian-rel`: the same over tr(W H W^T);
    - `fisher`: 1/2 sum_i F_i (dW H dW^T)_ii, F_i = E[g_i^2] with g the gradient of the
      log-likelihood of the model's own sampled next tokens with respect to output i of
      the layer (the diagonal of the Fisher information of the layer's output), on the
@@ -19,6 +19,8 @@ Hadamard, group 128, the fit calibrated on --calib-tokens random tokens: the Hes
      --kl-tokens random tokens (the calibration's distribution: no data);
    - `truth`: the same KL on the first --kl-tokens of the evaluation text (what the others
      predict; as an allocation it is an oracle, shown as a bound, not a method);
+   the last two take a forward pass per tensor and width: with --kl-sample N only N
+   tensors (drawn at random, every kind alike) are measured, for the agreement alone;
 3. their agreement with `truth`: Spearman over all (tensor, width) pairs, and over the
    cost of each step down in width (what the allocator trades);
 4. per predictor and --targets, `allocate` (the conversion's own knapsack over the same
@@ -55,7 +57,7 @@ from tq_cli.quant.grouped import dequantize
 from tq_cli.quant.prepare import prepare_weight
 from tq_cli.quant.rotation import make_rotation
 
-PREDICTORS = ("hessian", "fisher", "kl-random", "truth")
+PREDICTORS = ("hessian", "hessian-rel", "fisher", "kl-random", "truth")
 
 
 def log(msg: str) -> None:
@@ -108,6 +110,7 @@ def main() -> int:
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--kl-tokens", type=int, default=1024)
     ap.add_argument("--eval-tokens", type=int, default=4096)
+    ap.add_argument("--kl-sample", type=int, default=0, help="0: every tensor")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -146,13 +149,14 @@ def main() -> int:
             assert h is not None, name
             hess[name] = h
             fits[name], sbits[name] = {}, {}
-            costs["hessian"][name] = {}
+            costs["hessian"][name], costs["hessian-rel"][name] = {}, {}
             for b in widths:
                 q_spec = tp.quant.model_copy(update={"bits": b})
                 res = quantize_tensor(name, prepared, q_spec, rot, torch.device("cpu"), calib)
                 fits[name][b] = dequantize(res.q)
                 sbits[name][b] = storage_bits(out, n, q_spec) + round(share)
                 costs["hessian"][name][b] = float(res.weighted_error or 0.0)
+                costs["hessian-rel"][name][b] = float(res.record["weighted_rel_error"])
             log(f"fitted {i + 1}/{len(todo)} {name}")
         calibration = None
     # 2. the model, its modules, the tokens
@@ -183,7 +187,11 @@ def main() -> int:
             costs["fisher"][name][b] = 0.5 * float((fisher[name] * rows).sum())
     log("single-tensor KL")
     refs = {k: ref_logp(model, v) for k, v in kl_sets.items()}
-    for j, name in enumerate(fits):
+    measured = list(fits)
+    if 0 < args.kl_sample < len(measured):
+        order = torch.randperm(len(measured), generator=torch.Generator().manual_seed(7))
+        measured = sorted(measured[i] for i in order[: args.kl_sample].tolist())
+    for j, name in enumerate(measured):
         for k in kl_sets:
             costs[k][name] = {}
         for b in widths:
@@ -192,16 +200,16 @@ def main() -> int:
                 costs[k][name][b] = kl_of(model, ids, refs[k])
         mods[name].weight.data.copy_(originals[name])
         if (j + 1) % 10 == 0:
-            log(f"single-tensor KL {j + 1}/{len(fits)}")
+            log(f"single-tensor KL {j + 1}/{len(measured)}")
     del refs
     # 3. agreement with the truth
     agree: dict[str, dict[str, float]] = {}
-    truth = torch.tensor([costs["truth"][n][b] for n in fits for b in widths])
-    steps_t = torch.tensor([costs["truth"][n][lo] - costs["truth"][n][hi] for n in fits
+    truth = torch.tensor([costs["truth"][n][b] for n in measured for b in widths])
+    steps_t = torch.tensor([costs["truth"][n][lo] - costs["truth"][n][hi] for n in measured
                             for lo, hi in itertools.pairwise(widths)])
     for p in PREDICTORS[:-1]:
-        vals = torch.tensor([costs[p][n][b] for n in fits for b in widths])
-        steps = torch.tensor([costs[p][n][lo] - costs[p][n][hi] for n in fits
+        vals = torch.tensor([costs[p][n][b] for n in measured for b in widths])
+        steps = torch.tensor([costs[p][n][lo] - costs[p][n][hi] for n in measured
                               for lo, hi in itertools.pairwise(widths)])
         agree[p] = {"spearman": spearman(vals, truth),
                     "spearman_steps": spearman(steps, steps_t)}
@@ -225,15 +233,17 @@ def main() -> int:
     for b in widths:
         rows.append({"method": f"uniform {b}", **measure(dict.fromkeys(fits, b))})
         log(f"uniform {b}: {rows[-1]['kl']:.4f}")
+    whole = len(measured) == len(fits)
     for target in targets:
-        for p in PREDICTORS:
+        for p in [p for p in PREDICTORS if whole or len(costs[p]) == len(fits)]:
             opts = {n: {b: (costs[p][n][b], sbits[n][b]) for b in widths} for n in fits}
             alloc = allocate(opts, target, numel)
             rows.append({"method": p, "target": target, **measure(alloc.bits),
                          "by_kind": _by_kind(alloc.bits)})
             log(f"{p} @ {target}: {rows[-1]['kl']:.4f}")
     doc = {"source": str(args.source), "calibration": record, "widths": widths,
-           "kl_tokens": kl_rows * 512, "eval_tokens": int(eval_ids.numel()),
+           "kl_tokens": kl_rows * 512, "kl_tensors": len(measured),
+           "eval_tokens": int(eval_ids.numel()),
            "agreement": agree, "rows": rows, "seconds": round(time.time() - t_start),
            "costs": {p: costs[p] for p in PREDICTORS}}
     text = json.dumps(doc, indent=1)
