@@ -135,7 +135,7 @@ def dequantized(t: object) -> torch.Tensor:
 
     arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # type: ignore[attr-defined]
     shape = [int(d) for d in reversed(t.shape)]  # type: ignore[attr-defined]
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+    return torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))  # a copy
 
 
 def mapping(source: dict[str, torch.Tensor], names: list[str], config: dict,
