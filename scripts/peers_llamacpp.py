@@ -3,6 +3,7 @@
 Usage (the project's venv: torch, safetensors, gguf and tq_cli are all it needs):
     python scripts/peers_llamacpp.py SOURCE OUT_ROOT [--types Q4_K_M,IQ4_XS,Q3_K_M,...]
         [--no-imatrix] [--work DIR] [--threads 2] [--kld-check Q4_K_M]
+        [--only '*.mlp.down_proj.weight' --suffix -down]
     tq eval OUT_ROOT/llamacpp-Q4_K_M-imat --reference SOURCE --json     (and each type)
 The rows join OUT_ROOT/peers.json beside `scripts/peers_external.py`'s (same fields).
 
@@ -22,6 +23,11 @@ What is run, per type T (llama.cpp's names, as `llama-quantize --help` lists the
   peer here, only the transformer blocks' linear layers are quantized (the type's own
   mix inside them is untouched: Q4_K_M still puts some attn_v and ffn_down in Q6_K);
 - `--no-imatrix` writes the same types without it (folders `llamacpp-T`).
+- `--only GLOB`: only the plan's tensors matching GLOB are replaced (and counted), the
+  rest kept as SOURCE has them; folders get `--suffix`. K- and i-quants need rows of a
+  multiple of 256 columns; llama.cpp quantizes a narrower row with a fallback type
+  (SmolLM2's 576-wide inputs: Q5_0, Q4_0, IQ4_NL), so on such a model only the tensors
+  with a 256-multiple input (SmolLM2's down_proj, 1536) hold the type asked for.
 
 Dequantized back to a folder (OUT_ROOT/llamacpp-T-imat): every tensor of the plan tq's
 recipe makes for SOURCE (the attention and MLP projections) is read from the GGUF and
@@ -46,6 +52,7 @@ scores every token of its windows in float32.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -180,6 +187,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--kld-check", default="")
     ap.add_argument("--kld-chunks", type=int, default=8)
+    ap.add_argument("--only", default="*")
+    ap.add_argument("--suffix", default="")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out_root.mkdir(parents=True, exist_ok=True)
@@ -206,7 +215,10 @@ def main() -> int:
         print(f"imatrix: {time.time() - t0:.0f} s", file=sys.stderr)
 
     config = json.loads((args.source / "config.json").read_text())
-    names = converted_names(args.source, ROOT / ".venv" / "bin" / "python")
+    names = [n for n in converted_names(args.source, ROOT / ".venv" / "bin" / "python")
+             if fnmatch.fnmatchcase(n, args.only)]
+    if not names:
+        fail(f"no tensor of the plan matches --only {args.only!r}")
     source: dict[str, torch.Tensor] = {}
     for f in sorted(args.source.glob("*.safetensors")):
         with safe_open(f, "pt") as fh:
@@ -245,14 +257,14 @@ def main() -> int:
             kind = t.tensor_type.name  # type: ignore[attr-defined]
             kinds[kind] = kinds.get(kind, 0) + 1
             out[name] = w.to(source[name].dtype)
-        folder = args.out_root / f"llamacpp-{qtype}{tag}"
+        folder = args.out_root / f"llamacpp-{qtype}{tag}{args.suffix}"
         folder.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in out.items()}, folder / "model.safetensors",
                   metadata={"format": "pt"})
         for f in args.source.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
                 shutil.copy2(f, folder / f.name)
-        row = {"folder": str(folder), "gguf": str(gg), "type": qtype,
+        row = {"folder": str(folder), "gguf": str(gg), "type": qtype, "only": args.only,
                "imatrix": not args.no_imatrix, "bits_per_weight": bits / numel,
                "mean_rel_error": sum(errs) / len(errs), "max_rel_error": max(errs),
                "tensor_types": kinds, "seconds": round(seconds, 1)}
