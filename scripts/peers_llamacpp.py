@@ -3,7 +3,7 @@
 Usage (the project's venv: torch, safetensors, gguf and tq_cli are all it needs):
     python scripts/peers_llamacpp.py SOURCE OUT_ROOT [--types Q4_K_M,IQ4_XS,Q3_K_M,...]
         [--no-imatrix] [--work DIR] [--threads 2] [--kld-check Q4_K_M]
-        [--only '*.mlp.down_proj.weight' --suffix -down]
+        [--only '*.mlp.down_proj.weight' --suffix=-down]
     tq eval OUT_ROOT/llamacpp-Q4_K_M-imat --reference SOURCE --json     (and each type)
 The rows join OUT_ROOT/peers.json beside `scripts/peers_external.py`'s (same fields).
 
