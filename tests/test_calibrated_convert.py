@@ -102,7 +102,7 @@ def test_target_bits_mixed_precision(tiny_llama: Path, calib_file: Path,
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
     mixed = summary["mixed_precision"]
-    assert mixed["target_bits"] == 3.5 and mixed["error"] == "hessian-weighted"
+    assert mixed["target_bits"] == 3.5 and mixed["error"] == "fisher-weighted"
     assert summary["bits_per_weight"] <= 3.5
     assert summary["bits_per_weight"] == pytest.approx(mixed["achieved_bits"], abs=1e-5)
     m = read_manifest(out)

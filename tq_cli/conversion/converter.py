@@ -21,13 +21,14 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from tq_cli.calibration.fisher import OutputFisher
 from tq_cli.calibration.run import BlockStates
 from tq_cli.calibration.stream import StreamedCalibration
 from tq_cli.conversion.finish import finish
 from tq_cli.conversion.pipeline import Finished, stream
 from tq_cli.conversion.ranks import STATES_DIR, assign
 from tq_cli.conversion.selfcheck import self_check
-from tq_cli.conversion.spec import ConvertResult, ConvertSpec
+from tq_cli.conversion.spec import FISHER_TOKENS, ConvertResult, ConvertSpec
 from tq_cli.device import resolve_device
 from tq_cli.errors import (
     CorruptFileError,
@@ -168,7 +169,12 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
         if log:
             log(f"--target-bits {spec.target_bits:g}: measuring every tensor at "
                 f"{', '.join(map(str, spec.bit_choices))} bits first")
-        mixed = choose_bits(plan, spec.target_bits, spec.bit_choices, device, calib)
+        fisher = _fisher(spec, planned, scratch, warn) if calib is not None else None
+        mixed = choose_bits(plan, spec.target_bits, spec.bit_choices, device, calib,
+                            fisher=fisher)
+        if mixed.record.get("fisher_unused"):
+            warn(f"--target-bits: widths by the Hessian-weighted error, not the Fisher-"
+                 f"weighted one ({mixed.record['fisher_unused']})")
         plan = planned.replan(mixed.bits)
         provenance["mixed_precision"] = mixed.record
     plan.extra = {k: v for k, v in provenance.items() if k != "seeds"}
@@ -362,6 +368,27 @@ def _calibration(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.
               "seqlen": calibration.meta.get("seqlen"),
               "tokens": calibration.meta.get("tokens")}
     return CalibOptions(calibration, spec.damp, spec.act_order), record
+
+
+def _fisher(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.ExitStack,
+            warn: Callable[[str], None]) -> OutputFisher | None:
+    """The Fisher information at every converted layer's output, on FISHER_TOKENS random
+    tokens (what `--target-bits` weighs each tensor's error by), or None with a note where
+    the model cannot be run backwards (the widths then follow the Hessian-weighted error)."""
+    from tq_cli.calibration.fisher import output_fisher
+    from tq_cli.calibration.random_tokens import synthetic_run
+
+    folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="tq-fisher-")))
+    try:
+        run, _record = synthetic_run(planned, FISHER_TOKENS, spec.rotation.seed, folder,
+                                     spec.device)
+        return output_fisher(run, folder / "states", spec.rotation.seed)
+    except (SourceError, UnsupportedError) as e:
+        if isinstance(e, CorruptFileError):
+            raise
+        warn(f"--target-bits: widths by the Hessian-weighted error; tq could not measure "
+             f"the Fisher information of this model ({e})")
+        return None
 
 
 def _write_rotations(plan: Plan, rotations: dict[str, Rotation], writer: ShardWriter,

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tq_cli.calibration.fisher import OutputFisher, fisher_cost
 from tq_cli.errors import TqError
 from tq_cli.io.format import storage_layout
 from tq_cli.io.safetensors_reader import read_weight
@@ -252,8 +253,15 @@ def storage_bits(out: int, n: int, spec: QuantSpec) -> int:
 
 def choose_bits(plan: Plan, target: float, choices: tuple[int, ...], device: torch.device,
                 calib: CalibOptions | None,
-                progress: Callable[[str, int, int], None] | None = None) -> MixedChoice:
+                progress: Callable[[str, int, int], None] | None = None,
+                fisher: OutputFisher | None = None) -> MixedChoice:
+    """Widths per converted tensor for an average of `target` bits. The cost of a width is
+    the Fisher-weighted error 1/2 sum_i F_i (dW H dW^T)_ii (`fisher`, the second-order KL
+    it adds: tq_cli.calibration.fisher) where every tensor has F and a calibrated fit,
+    else tr(dW H dW^T) with calibration, else ||dW||^2."""
     options: dict[str, dict[int, tuple[float, int]]] = {}
+    weighted: dict[str, dict[int, tuple[float, int]]] = {}
+    why_not = None if fisher is not None else "no Fisher information"
     numel: dict[str, int] = {}
     rotations: dict[str, Rotation] = {}
     todo = [t for t in plan.converted if not t.head]  # a head keeps its own bits
@@ -278,14 +286,29 @@ def choose_bits(plan: Plan, target: float, choices: tuple[int, ...], device: tor
             err = res.weighted_error if res.weighted_error is not None \
                 else res.q.rel_error * prepared.norm
             options[name][bits] = (err, storage_bits(out, n, spec) + round(share))
+            if why_not is None and fisher is not None:
+                f = fisher.fisher.get(name)
+                if f is None:
+                    why_not = f"'{name}': {fisher.missing.get(name, 'not reached')}"
+                elif res.row_errors is None:
+                    why_not = f"'{name}': fitted without calibration"
+                else:
+                    weighted.setdefault(name, {})[bits] = (fisher_cost(f, res.row_errors),
+                                                           options[name][bits][1])
         numel[name] = tp.info.numel
         if progress:
             progress(name, i + 1, len(todo))
+    rule = "hessian-weighted" if calib is not None else "squared"
+    if why_not is None:
+        options, rule = weighted, "fisher-weighted"
     alloc = allocate(options, target, numel)
     counts = {str(b): sum(1 for v in alloc.bits.values() if v == b) for b in choices}
     weights = {str(b): sum(numel[k] for k, v in alloc.bits.items() if v == b) for b in choices}
     record = {"target_bits": target, "choices": list(choices),
               "achieved_bits": alloc.bpw, "tensors_per_bits": counts,
-              "weights_per_bits": weights,
-              "error": "hessian-weighted" if calib is not None else "squared"}
+              "weights_per_bits": weights, "error": rule}
+    if fisher is not None:
+        record["fisher_tokens"] = fisher.tokens
+        if why_not is not None:
+            record["fisher_unused"] = why_not
     return MixedChoice(alloc.bits, record)

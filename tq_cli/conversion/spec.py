@@ -16,6 +16,8 @@ from tq_cli.quant.spec import QuantSpec, RotationSpec, convert_default_col_scale
 # curve is steeper (SmolLM2 3-bit KL 0.517 with 4096, 0.467 with 8192).
 SELF_CALIB_TOKENS = 4096
 SELF_CALIB_TOKENS_LOW_BITS = 8192
+# Random tokens `--target-bits` measures the Fisher information on (tq_cli.calibration.fisher)
+FISHER_TOKENS = 4096
 # lm_head's bits where nobody chose (docs/decisions.md: from `tq eval` on SmolLM2).
 DEFAULT_HEAD_BITS: Literal[4, 8] | None = 8
 

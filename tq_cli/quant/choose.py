@@ -57,6 +57,7 @@ class TensorResult:
     record: dict[str, Any]  # extra manifest fields for this tensor
     weighted_error: float | None  # tr(dW H dW^T) with the mean H, when calibrated
     fallback: str | None  # why a tensor with --calib was quantized data-free
+    row_errors: torch.Tensor | None = None  # (dW H dW^T)_ii per row, when calibrated
 
 
 def quantize_tensor(name: str, prepared: PreparedWeight, spec: QuantSpec,
@@ -82,7 +83,7 @@ def quantize_tensor(name: str, prepared: PreparedWeight, spec: QuantSpec,
             # tr(dW' H' dW'^T) = tr(dW H dW^T): the weighted error needs no correction.
             rec = {"calibrated": True, "weighted_rel_error": fitted.relative_weighted_error}
             return TensorResult(with_scales(fitted.q, prepared), rec, fitted.weighted_error,
-                                None)
+                                None, fitted.row_errors)
         except CalibrationUnusableError as e:
             reason = str(e)
     q = quantize_rotated(w_rot, spec, rotation, device)

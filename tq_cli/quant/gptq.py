@@ -184,11 +184,11 @@ def _sparse_rows(rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, r: 
 
 def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
                   codebook: torch.Tensor, h: torch.Tensor, outliers: torch.Tensor,
-                  g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+                  g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """Group scales minimising tr(dW H dW^T) for the fixed codes, per row (scales, w_hat,
     outlier_val), and the weighted error of the result with its reference:
-    (tr(dW H dW^T), tr(W H W^T)). Outliers keep their dequantized value. A row keeps its
-    old scales unless the new (fp16-rounded) ones lower its weighted error.
+    ((dW H dW^T)_ii per row, float64, and tr(W H W^T)). Outliers keep their dequantized
+    value. A row keeps its old scales unless the new (fp16-rounded) ones lower its weighted error.
 
     W_hat_r = A_r s_r + f_r with A_r[j, group(j)] = c[code_rj] is linear in the row's
     scales s_r. With d the GPTQ result's error w - W_hat and p = H d (the one n x n product
@@ -212,7 +212,8 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
     o_rows, o_cols = outliers // n, outliers % n
     rows = max(1, CHUNK_ELEMENTS // (groups * g))
     cbh = codebook.to(dt)
-    num = den = 0.0
+    num = torch.empty(out, dtype=torch.float64, device=w.device)
+    den = 0.0
     for r0 in range(0, out, rows):
         r1 = min(r0 + rows, out)
         a = torch.where(hit[r0:r1], 0.0, cbh[codes[r0:r1].long()])
@@ -266,8 +267,8 @@ def _refit_scales(w: torch.Tensor, res: _Solved, scales: torch.Tensor,
             err += torch.zeros_like(err).index_add_(0, orow, (df * hdf[orow, ocol]).double())
             err -= 2 * (hdf * e_mid).sum(-1, dtype=torch.float64)
             del hdf, e_mid
-        num += float(err.sum())
-    return new, w_hat_all, vals, max(num, 0.0), den
+        num[r0:r1] = err.clamp(min=0.0)
+    return new, w_hat_all, vals, num, den
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,7 @@ class CalibratedFit:
     q: QuantizedTensor
     weighted_error: float
     relative_weighted_error: float
+    row_errors: torch.Tensor  # (dW H dW^T)_ii per output row, float64, on the CPU
 
 
 def quantize_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
@@ -337,7 +339,7 @@ def fit_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
         h_rot.release_factor()  # the refit needs H alone (0.8 GB less at n = 14336)
     elif not isinstance(h_rot, PreparedHessian):
         prepared.release_factor()
-    scales, w_hat, vals, num, den = _refit_scales(w, res, scales, codebook, h, outliers,
+    scales, w_hat, vals, row_err, den = _refit_scales(w, res, scales, codebook, h, outliers,
                                                   spec.group_size)
     del res  # its W_hat, before the refit's own
     rows = max(1, CHUNK_ELEMENTS // max(1, n))  # no third [out, n] for the difference
@@ -353,7 +355,9 @@ def fit_calibrated(w_rot: torch.Tensor, h_rot: torch.Tensor | PreparedHessian,
         outlier_idx=outliers.to(torch.int32).cpu(), outlier_val=vals.cpu(),
         rel_error=err / norm if norm > 0 else 0.0,
     )
-    return CalibratedFit(q, num, num / den if den > 0 else 0.0 if num == 0 else float("inf"))
+    num = float(row_err.sum())
+    return CalibratedFit(q, num, num / den if den > 0 else 0.0 if num == 0 else float("inf"),
+                         row_err.cpu())
 
 
 def _weighted(w_rot: torch.Tensor, w_hat_rot: torch.Tensor,
