@@ -89,9 +89,12 @@ def random_text(tokenizer: Any, tokens: int, seed: int, model_vocab: int | None 
 
 def synthetic_run(planned: PlannedSource, tokens: int, seed: int, folder: Path,
                   device: str, comm: Comm | None = None,
-                  note: Callable[[str], None] | None = None) -> tuple[CalibRun, dict]:
+                  note: Callable[[str], None] | None = None,
+                  sampled: bool = False) -> tuple[CalibRun, dict]:
     """The calibration run of a random-token calibration (its text kept in `folder`), and
-    the record the manifest keeps (what was drawn, how much, the text's sha256)."""
+    the record the manifest keeps (what was drawn, how much, the text's sha256).
+    `sampled`: sequences the model writes from a random first token instead
+    (tq_cli.calibration.sampled_tokens)."""
     from tq_cli.calibration.collect import CalibSpec, prepare_run
     from tq_cli.runtime.hf_models import load_tokenizer, require_transformers
 
@@ -103,6 +106,8 @@ def synthetic_run(planned: PlannedSource, tokens: int, seed: int, folder: Path,
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
     say = note or (lambda _msg: None)
     spec = CalibSpec(samples=plan.samples, seqlen=plan.seqlen, device=device)
+    if sampled:
+        return _sampled_run(planned, plan, spec, seed, vocab, say, comm)
     try:
         tokenizer = load_tokenizer(planned.folder)
     except SourceError as e:
@@ -131,6 +136,36 @@ def synthetic_run(planned: PlannedSource, tokens: int, seed: int, folder: Path,
     return run, record
 
 
+def _sampled_run(planned: PlannedSource, plan: SyntheticPlan, spec: Any, seed: int,
+                 vocab: int | None, say: Callable[[str], None],
+                 comm: Comm | None) -> tuple[CalibRun, dict]:
+    from tq_cli.calibration.collect import prepare_run
+    from tq_cli.calibration.sampled_tokens import sampled_ids
+    from tq_cli.device import resolve_device
+    from tq_cli.runtime.hf_models import load_tokenizer
+
+    special = special_ids(planned.model.config or {})
+    try:
+        tokenizer = load_tokenizer(planned.folder)
+        special |= {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
+        vocab = min(vocab or tokenizer.vocab_size, tokenizer.vocab_size)
+    except SourceError:
+        pass
+    if vocab is None:
+        raise SourceError(f"{planned.folder}: no vocab_size in config.json and no tokenizer; "
+                          "--self-calib sampled needs one of them")
+    first = random_token_ids(vocab, special, plan.samples, seed)
+    weights = sum(t.numel for t in planned.model.tensors.values())
+    ids = sampled_ids(planned.folder, weights, plan.samples, plan.seqlen, first, special, seed,
+                      resolve_device(spec.device))
+    drawn = Text(" ".join(map(str, ids.view(-1).tolist())),
+                 f"sequences sampled from the model (seed {seed})")
+    run = prepare_run(planned, spec, say, comm, ids=(ids, drawn))
+    return run, {"synthetic": "model-sampled", "seed": seed, "tokens_requested": plan.tokens,
+                 "samples": plan.samples, "seqlen": plan.seqlen, "tokens": int(ids.numel()),
+                 "ids_sha256": drawn.sha256, "special_ids": sorted(special)}
+
+
 # config.json's names for the ids a tokenizer would call special.
 SPECIAL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
                 "sep_token_id", "cls_token_id", "mask_token_id", "decoder_start_token_id",
@@ -154,12 +189,12 @@ def special_ids(config: dict[str, Any]) -> set[int]:
 
 
 def synthetic_calibration(planned: PlannedSource, tokens: int, seed: int, folder: Path,
-                          device: str) -> tuple[Path, dict]:
-    """Write a random-token calibration file for a planned source under `folder`; returns
-    its path and the record the manifest keeps."""
+                          device: str, sampled: bool = False) -> tuple[Path, dict]:
+    """Write a random-token (or model-sampled) calibration file for a planned source under
+    `folder`; returns its path and the record the manifest keeps."""
     from tq_cli.calibration.collect import write_run
 
-    run, record = synthetic_run(planned, tokens, seed, folder, device)
+    run, record = synthetic_run(planned, tokens, seed, folder, device, sampled=sampled)
     out = folder / "synthetic.calib"
     write_run(run, planned, out, lambda _msg: None)
     return out, record

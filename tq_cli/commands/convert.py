@@ -49,6 +49,7 @@ rendezvous, OUT on a file system every rank sees).
 FLAGS = {
     "device": "--device", "max_shard_bytes": "--shard-size", "bit_choices": "--bit-choices",
     "target_bits": "--target-bits", "damp": "--damp", "synthetic_calib": "--synthetic-calib",
+    "self_calib": "--self-calib",
     "fast": "--fast", "head_bits": "--head-bits",
     "": "convert options",
     "quant": "quantization options", "rotation": "rotation options",
@@ -106,6 +107,10 @@ def main(
         f"tokens and quantize GPTQ-style with what it saw (the default does, with "
         f"{SELF_CALIB_TOKENS}, {SELF_CALIB_TOKENS_LOW_BITS} at 3 bits or fewer, where the "
         "model can run); 0 = off."),
+    self_calib: str = typer.Option("random", "--self-calib", help="What self-calibration "
+                                   "runs the model on: random (vocabulary tokens) | sampled "
+                                   "(text the model writes from a random first token; a "
+                                   "decoder that fits in memory)."),
     fast: bool = typer.Option(False, "--fast", help="The weight-only fit: no "
                               "self-calibration (seconds instead of a minute, lower "
                               "quality)."),
@@ -147,6 +152,7 @@ def main(
             "seeds_file": str(seeds) if seeds is not None else None,
             "calib": str(calib) if calib is not None else None, "damp": damp,
             "act_order": act_order, "synthetic_calib": synthetic_calib, "fast": fast,
+            "self_calib": self_calib,
             "target_bits": target_bits, "vision": vision,
             "bit_choices": _choices(bit_choices),
         } | ({} if head_bits is None else {"head_bits": _head_bits(head_bits)}))

@@ -339,7 +339,8 @@ def _calibration(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.
         try:
             if spec.target_bits is None:
                 run, record = synthetic_run(planned, tokens, spec.rotation.seed, folder,
-                                            spec.device, comm)
+                                            spec.device, comm,
+                                            sampled=spec.self_calib == "sampled")
                 streamed = StreamedCalibration(run, check=lambda g: g.check(planned.recipe))
                 _said_ids(record, warn)
                 return CalibOptions(streamed, spec.damp, spec.act_order), record | gptq
@@ -347,7 +348,7 @@ def _calibration(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.
                 raise UnsupportedError("--target-bits under torchrun: not supported yet; run "
                                        "it in one process")
             path, record = synthetic_calibration(planned, tokens, spec.rotation.seed, folder,
-                                                 spec.device)
+                                                 spec.device, spec.self_calib == "sampled")
             _said_ids(record, warn)
         except (SourceError, UnsupportedError) as e:
             if not spec.self_calib_default or isinstance(e, CorruptFileError):

@@ -54,6 +54,10 @@ class ConvertSpec(BaseModel):
         "run through the model for GPTQ-style error feedback; None = the default "
         "(SELF_CALIB_TOKENS where the model can run, else the weight-only fit with a note), "
         "0 = off")
+    self_calib: Literal["random", "sampled"] = Field(
+        "random", description="what self-calibration runs the model on: random vocabulary "
+        "tokens, or text the model samples itself from a random first token (needs the "
+        "whole model in memory once)")
     fast: bool = Field(False, description="the weight-only fit, no self-calibration: "
                        "seconds instead of a minute, lower quality")
     target_bits: float | None = Field(None, gt=1.0, le=8.5, description="mixed precision: "
@@ -90,6 +94,9 @@ class ConvertSpec(BaseModel):
             raise ValueError("act_order needs a calibration (--calib or self-calibration)")
         if self.calib is not None and self.synthetic_calib:
             raise ValueError("--synthetic-calib and --calib are alternatives; pass one of them")
+        if self.self_calib == "sampled" and self.self_calib_tokens == 0:
+            raise ValueError("--self-calib sampled is a kind of self-calibration; drop --fast, "
+                             "--calib or --synthetic-calib 0, or --self-calib")
         if self.synthetic_calib is not None and 0 < self.synthetic_calib < 2:
             raise ValueError("--synthetic-calib needs at least 2 tokens (0 = off)")
         return self
@@ -108,7 +115,8 @@ class ConvertSpec(BaseModel):
     def self_calib_default(self) -> bool:
         """Self-calibration because nothing was asked: where the model cannot run it, the
         weight-only fit instead (with a note), not an error."""
-        return self.synthetic_calib is None and self.self_calib_tokens > 0
+        return (self.synthetic_calib is None and self.self_calib == "random"
+                and self.self_calib_tokens > 0)
 
 
 @dataclass
