@@ -3,10 +3,13 @@
 A pre-pass quantizes every converted tensor at each allowed width exactly as the
 conversion will (calibrated when there is calibration data) and measures its error;
 `allocate` then picks one width per tensor: minimise the summed error subject to the
-summed storage bits <= target * weights. The error is the Hessian-weighted tr(dW H dW^T)
-(H the mean of x x^T) where calibration data exists, which is the layer's output error
-in the same units for every layer (the HAWQ-style proxy: Dong et al. 2019, "HAWQ",
-arXiv:1905.03696); without calibration it is the plain squared error ||dW||^2. Storage
+summed storage bits <= target * weights. The error is the Fisher-weighted
+1/2 sum_i F_i (dW H dW^T)_ii, the second-order KL the width adds (F the Fisher
+information at the layer's output: tq_cli.calibration.fisher), where it can be measured;
+else the Hessian-weighted tr(dW H dW^T) (H the mean of x x^T) where calibration data
+exists, the layer's output error in the same units for every layer (the HAWQ-style
+proxy: Dong et al. 2019, "HAWQ", arXiv:1905.03696); without calibration the plain
+squared error ||dW||^2. Storage
 counts codes, scales, codebook, outliers and the tensor's share of the rotation
 material, so the achieved average is the one the manifest reports.
 
