@@ -299,3 +299,45 @@ def test_a_scaled_embedding_is_not_tied_and_dequantize_reties() -> None:
     dequantize_model(tied)
     assert type(tied.get_input_embeddings()) is torch.nn.Embedding
     assert tied.get_input_embeddings().weight is tied.get_output_embeddings().weight
+
+
+def test_a_hook_or_attribute_added_after_compiling_is_honoured(
+        llama_tq: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """dynamo does not guard hooks: a forward hook registered after the decode step
+    compiled used to reach the prompt's forward only. Now that call runs eagerly (with a
+    log line) and gives the hooked eager model's tokens; removing the hook compiles
+    again. A plain attribute a forward reads is honoured the same way."""
+    def force(_m: torch.nn.Module, _a: tuple, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        out[..., 7] = 1e4
+        return out
+
+    model = tq_cli.load(llama_tq, device="cpu", compile=True)
+    n, kw = IDS.shape[1], {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False}
+    with torch.no_grad():
+        first = model.generate(IDS, **kw)
+        handle = model.lm_head.register_forward_hook(force)
+        with caplog.at_level(logging.INFO, logger="tq"):
+            hooked = model.generate(IDS, **kw)
+        handle.remove()
+        said = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tq"):
+            again = model.generate(IDS, **kw)
+    assert (hooked[0, n:] == 7).all()
+    assert any("runs eagerly: the model changed after its decode step compiled" in m
+               for m in said)
+    assert torch.equal(again, first) and not caplog.records  # compiled again, no fallback
+    eager = tq_cli.load(llama_tq, device="cpu", compile=False)
+    with torch.no_grad():
+        for m in (model, eager):
+            m.model.layers[0].self_attn.scaling = 0.0  # an attribute its forward reads
+        changed = model.generate(IDS, **kw)
+        want = eager.generate(IDS, **kw)
+    assert torch.equal(changed, want) and not torch.equal(changed, first)
+
+
+def test_tq_compile_garbage_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TQ_COMPILE", "garbage")
+    with pytest.raises(TqError, match="TQ_COMPILE='garbage': expected 1 or 0"):
+        compiled.default_on()

@@ -238,6 +238,10 @@ def kv_cache(model: Any, bits: float | None = 3.5, window: int = 128, *,
     if not isinstance(config, PretrainedConfig):
         raise UnsupportedError(f"KV cache settings: model: must be a transformers model or "
                                f"its config, got {type(model).__name__}")
+    if model is not config and callable(getattr(model, "can_generate", None)) \
+            and not model.can_generate():
+        raise UnsupportedError(f"KV cache settings: model: {type(model).__name__} does not "
+                               "generate; the KV cache serves generate() of a decoder")
     # every argument checked before the model is touched (code attention switches its
     # attention function)
     spec = spec if spec is not None else make_spec(bits, window, split, **options)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tq_cli.errors import TqError
 from tq_cli.kvcache.attend import COMPILED_SDPA as ATTENTION
 from tq_cli.runtime.tq_linear import TQLinear
 
@@ -57,9 +58,16 @@ def bucket(tokens: int) -> int:
 
 
 def default_on() -> bool:
-    """Whether `tq_cli.load` compiles by default in this process (TQ_COMPILE=0: no)."""
-    return os.environ.get("TQ_COMPILE", "1").strip().lower() not in ("0", "false", "no",
-                                                                      "off")
+    """Whether `tq_cli.load` compiles by default in this process (TQ_COMPILE=0: no); a
+    value that is neither on nor off is refused, not read as either."""
+    raw = os.environ.get("TQ_COMPILE", "1")
+    value = raw.strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    raise TqError(f"TQ_COMPILE={raw!r}: expected 1 or 0 (true/false, yes/no, on/off); unset "
+                  "it for the default (on)")
 
 
 def why_not_compiled(model: nn.Module) -> str | None:
@@ -203,6 +211,13 @@ def enable_compiled(model: Any) -> bool:
                and (generation_config.max_length or 0) <= MAX_CACHE
                and self.device.type == "cpu"  # moved to CUDA after loading: eager
                and any(isinstance(m, TQLinear) for m in self.modules()))  # dequantized
+        if own:
+            seen = fingerprint(self)
+            first = self.__dict__.setdefault("_tq_fingerprint", seen)
+            if seen != first:  # a hook or attribute the compiled step would not see
+                log.info("tq: generate() runs eagerly: the model changed after its decode "
+                         "step compiled (a hook, a module or an attribute)")
+                own = False
         if quantizer is not None:  # transformers compiles only what this call allows
             quantizer.compileable = own
         if own:  # set per call: a caller's own cache gets no "cannot compile" warning
@@ -223,6 +238,32 @@ def enable_compiled(model: Any) -> bool:
         model.get_compiled_call = types.MethodType(get_compiled_call, model)
     model.tq_compiled = True
     return True
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                 "_global_backward_hooks", "_global_backward_pre_hooks")
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                 "_backward_pre_hooks")
+
+
+def fingerprint(model: nn.Module) -> tuple[Any, ...]:
+    """What an eager forward honours and a compiled step may not notice (dynamo skips its
+    guards on hooks): every module's hooks (by handle id), the global ones, the module tree
+    (names and types) and each module's plain attributes (numbers, strings, flags; not the
+    model's own private ones, where generate() keeps its bookkeeping). A
+    parameter or buffer swapped or edited needs no entry: the compiled step reads them as
+    inputs, and dynamo guards their identity."""
+    from torch.nn.modules import module as base
+
+    glob = tuple(tuple(getattr(base, n, {}).keys()) for n in _GLOBAL_HOOKS)
+    per = []
+    for name, m in model.named_modules():
+        hooks = tuple(tuple(getattr(m, h, {}).keys()) for h in _MODULE_HOOKS)
+        attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
+                             if k != "training" and not (name == "" and k.startswith("_"))
+                             and (v is None or type(v) in (bool, int, float, str))))
+        per.append((name, type(m), hooks, attrs))
+    return glob, tuple(per)
 
 
 def _can_skip_guards() -> bool:
@@ -271,4 +312,4 @@ class RepeatedSteps:
 
 
 __all__ = ["ATTENTION", "RepeatedSteps", "bucket", "compile_options", "decode_attention",
-           "default_on", "enable_compiled", "skip_packed_tensor_guards", "why_not_compiled"]
+           "default_on", "enable_compiled", "fingerprint", "skip_packed_tensor_guards", "why_not_compiled"]

@@ -6,6 +6,7 @@ reference model)."""
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,14 @@ def load_plain(folder: Path, device: torch.device,
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise CorruptFileError(f"{cfg}: not a JSON object of settings; re-download it") \
             from None
+    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
+        raise SourceError(f"{folder}: its weights are only in pickled .bin files; tq reads "
+                          "safetensors: load it in transformers and save_pretrained() it to "
+                          "a new folder")
     cls = model_class(config)
     try:
         model = cls.from_pretrained(folder, dtype=dtype)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise SourceError(f"{folder}: transformers cannot load this model ({first}); pass a "
                           "folder with config.json and safetensors weights") from None

@@ -92,12 +92,16 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
     (`runtime.head`), for a checkpoint that keeps its head (one that stores it quantized,
     `tq convert`'s default, is refused); None runs the head as stored.
     """
+    if not isinstance(path_or_hub_id, str | os.PathLike):
+        raise TqError(f"tq_cli.load: path: expected the folder tq convert wrote (a str or "
+                      f"os.PathLike), got {type(path_or_hub_id).__name__}")
     args = _checked(device=device, dtype=dtype, verify_checksums=verify_checksums,
                     kv_bits=kv_bits, kv_window=kv_window, compile=compile,
                     head_bits=head_bits)
     if args.compile and args.kv_bits is not None:
         raise TqError("tq_cli.load: compile: the TurboQuant KV cache (kv_bits) runs eagerly; "
                       "pass compile=False or no kv_bits")
+    auto_compile = args.compile is None and default_on()  # TQ_COMPILE read before any work
     dev = resolve_device(args.device)
     dtype = args.dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     kv_spec = None
@@ -148,8 +152,13 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
     if kv_spec is not None:
         from tq_cli.kvcache.cache import use_kv_cache
 
+        if not (hasattr(model, "can_generate") and model.can_generate()):
+            raise UnsupportedError(f"tq_cli.load: kv_bits: {type(model).__name__} does not "
+                                   "generate (the KV cache serves generate()); load it "
+                                   "without kv_bits")
+
         use_kv_cache(model, kv_spec)
-    elif args.compile or (args.compile is None and default_on()):
+    elif args.compile or auto_compile:
         if args.compile and (reason := why_not_compiled(model)) is not None:
             raise UnsupportedError(f"tq_cli.load: compile: {reason}; pass compile=False")
         enable_compiled(model)
