@@ -312,4 +312,5 @@ class RepeatedSteps:
 
 
 __all__ = ["ATTENTION", "RepeatedSteps", "bucket", "compile_options", "decode_attention",
-           "default_on", "enable_compiled", "fingerprint", "skip_packed_tensor_guards", "why_not_compiled"]
+           "default_on", "enable_compiled", "fingerprint", "skip_packed_tensor_guards",
+           "why_not_compiled"]
