@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from tq_cli.errors import CorruptFileError, first_error
 from tq_cli.io.format import (
@@ -66,6 +66,16 @@ class _Tensor(_Loose):
     shards: list[str]
     spec: QuantSpec | None = None
     rotation: _TensorRotation | None = None
+    # What readers act on besides the storage: the module a converted tensor runs as, a
+    # head and the input embedding it is stored for, how it was fitted and its errors.
+    module: str | None = None
+    head: StrictBool | None = None
+    embedding: str | None = None
+    fit: Literal["gptq", "weight-only"] | None = None
+    calibrated: StrictBool | None = None
+    rel_error: float | None = Field(None, ge=0, allow_inf_nan=False)
+    weighted_rel_error: float | None = Field(None, ge=0, allow_inf_nan=False)
+    bits_per_weight: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 class _Rotation(_Loose):
@@ -127,6 +137,22 @@ def expected_storage(path: Path, m: ManifestSchema) -> dict[str, tuple[str, list
         converted = {e.name: e for e in converted_entries(m.model_dump())}
     except ValueError as e:
         raise CorruptFileError(f"{path}: {e}; {HOW}") from None
+    runs_as: dict[str, str] = {}
+    for t in m.tensors:
+        if t.action != "quantize":
+            continue
+        c = converted[t.name]
+        module = c.placed if c.placed is not None else t.name.removesuffix(".weight")
+        target = module if c.expert is None else f"{module}#{c.expert.index}.{c.expert.role}"
+        if target in runs_as:
+            raise CorruptFileError(f"{path}: converted tensors '{runs_as[target]}' and "
+                                   f"'{t.name}' both run as module '{module}'; {HOW}")
+        runs_as[target] = t.name
+        stored_as = t.name.removesuffix(".weight").rpartition(".")[2]
+        if t.head and c.placed is not None and stored_as != c.placed.rpartition(".")[2] \
+                and c.embedding is None:  # (the embedding's path may be renamed)
+            raise CorruptFileError(f"{path}: head '{t.name}' runs as '{c.placed}' but names no "
+                                   f"input embedding it is stored for; {HOW}")
     for t in m.tensors:
         if t.dtype not in DTYPES or any(d < 0 for d in t.shape):
             raise CorruptFileError(f"{path}: tensor '{t.name}' has dtype '{t.dtype}' or shape "

@@ -199,6 +199,21 @@ def _refuse_random_init(model: nn.Module, folder: Path) -> None:
     object.__setattr__(model, "_adjust_missing_and_unexpected_keys", checked)
 
 
+def check_finite(model: nn.Module, folder: Path | str) -> None:
+    """Refuse stored floats (scales, column scales, codebooks, outlier values, rotation
+    material) that are NaN or infinite: a re-sealed checkpoint's digests match, but tq
+    never writes such a value, and it would turn every output into NaN."""
+    for name, m in model.named_modules():
+        if not isinstance(m, PackedWeight | RotationMaterial):
+            continue
+        for b, t in m.named_buffers(recurse=False):
+            if t.is_floating_point() and t.device.type != "meta" and t.numel() and \
+                    not bool(torch.isfinite(t).all()):
+                raise CorruptFileError(f"{folder}: stored tensor '{name}.{b}' holds NaN or "
+                                       "infinite values, which tq never writes; the "
+                                       "checkpoint was altered or damaged; convert again")
+
+
 def link_rotations(model: nn.Module) -> None:
     """Point each TQLinear at its shared rotation material."""
     holder = getattr(model, "tq", None)
@@ -274,6 +289,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
         # The checks tq_cli.load runs (once per folder per process); TQ_SKIP_CHECKSUMS=1
         # skips only the full sha256 read of the shards, never the structural checks.
         check_checkpoint(folder, verify_checksums=not os.environ.get("TQ_SKIP_CHECKSUMS"))
+        self.__dict__["_tq_folder"] = folder
         _refuse_random_init(model, folder)
         return prepare_model(model, folder, _headers(files))
 
@@ -308,6 +324,7 @@ class TurboQuantHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         model.__dict__.pop("_adjust_missing_and_unexpected_keys", None)
+        check_finite(model, self.__dict__.get("_tq_folder", "the checkpoint"))
         link_rotations(model)
         # The dtype the model runs in, as its kept parameters have it: what a converted
         # weight's `.dtype` says (tq_cli.runtime.tq_linear.PackedWeight).
