@@ -86,3 +86,45 @@ def test_eval_against_a_pickled_reference_names_the_fix(tiny_llama: Path, tmp_pa
     with pytest.raises(SourceError, match="save_pretrained"):
         load_plain(ref, torch.device("cpu"))
     assert json.loads((ref / "config.json").read_text())  # the reference is untouched
+
+
+def test_a_load_racing_an_overwrite_sees_one_checkpoint_whole(tiny_llama: Path,
+                                                              tmp_path: Path) -> None:
+    """`--overwrite` swaps the finished folder into place; loads that overlap the swap used
+    to fail once in 80 ("shard missing"). Each load now gives the old model or the new."""
+    import threading
+
+    from tq_cli.io.output import swap_into_place
+    from tq_cli.quant.spec import RotationSpec
+
+    ids = torch.arange(3, 15)[None]
+    versions = []
+    for seed in (0, 1):
+        folder = tmp_path / f"v{seed}"
+        convert(tiny_llama, folder, ConvertSpec(fast=True, rotation=RotationSpec(seed=seed)))
+        with torch.no_grad():
+            versions.append((folder, tq_cli.load(folder, compile=False)(ids).logits))
+    assert not torch.equal(versions[0][1], versions[1][1])
+    out = tmp_path / "out"
+    shutil.copytree(versions[0][0], out)
+    stop = threading.Event()
+
+    def swapper() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            partial = tmp_path / "out.partial"
+            shutil.copytree(versions[i % 2][0], partial)
+            swap_into_place(partial, out)
+            stop.wait(0.15)  # one overwrite after another, each a whole conversion's end
+
+    t = threading.Thread(target=swapper)
+    t.start()
+    try:
+        for _ in range(25):
+            with torch.no_grad():
+                got = tq_cli.load(out, compile=False)(ids).logits
+            assert any(torch.equal(got, want) for _, want in versions)
+    finally:
+        stop.set()
+        t.join()

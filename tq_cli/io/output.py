@@ -9,6 +9,7 @@ whole. `verified` decides which tensors a resumed run may keep.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -160,14 +161,31 @@ def copy_other_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux's renameat2 with RENAME_EXCHANGE); False where the
+    system or file system cannot, and nothing was changed."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return int(fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)) == 0
+
+
 def swap_into_place(partial: Path, out: Path) -> None:
-    """Rename the finished folder to OUT; an old OUT is removed only after that."""
+    """Rename the finished folder to OUT; an old OUT is removed only after that. Where the
+    system can, the two are exchanged in one step, so that OUT never stops existing: a
+    reader finds the old folder or the new one (tq_cli.load reads again a folder replaced
+    while it loaded)."""
     old = out.parent / f".{out.name}.tq-old"
     if old.exists():
         shutil.rmtree(old)
-    if out.exists():
-        os.rename(out, old)
-    os.rename(partial, out)
+    if out.exists() and exchange(partial, out):
+        os.rename(partial, old)  # the old checkpoint, under the name removed below
+    else:
+        if out.exists():
+            os.rename(out, old)
+        os.rename(partial, out)
     fd = os.open(out.parent, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from collections import Counter
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
@@ -74,6 +75,71 @@ def _checked(**args: Any) -> LoadSpec:
         raise TqError(f"tq_cli.load: {where}: {what}") from None
 
 
+READ_TRIES = 3  # reads of a folder replaced while it loaded, before the error stands
+
+
+def _read_retrying(folder: Path, args: LoadSpec, dev: torch.device,
+                   dtype: torch.dtype) -> Any:
+    """`_read`, again (up to READ_TRIES times) when it fails because the folder was replaced
+    while it read (a `tq convert --overwrite` finishing): a reader sees the old checkpoint
+    or the new one whole, never a mix or an error about the swap."""
+    for attempt in range(READ_TRIES):
+        before = _identity(folder)
+        try:
+            return _read(folder, args, dev, dtype)
+        except (CorruptFileError, OSError):
+            if attempt + 1 == READ_TRIES or _identity(folder) == before:
+                raise
+            log.info("tq: %s was replaced while it loaded; loading it again", folder)
+    raise AssertionError("unreachable")
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _read(folder: Path, args: LoadSpec, dev: torch.device, dtype: torch.dtype) -> Any:
+    """Check the folder and build the model from it."""
+    ck = check_checkpoint(folder, args.verify_checksums)
+    try:
+        from tq_cli.runtime.hf_quantizer import register
+    except ImportError as e:
+        raise TqError("loading a tq checkpoint needs transformers: pip install 'tq[models]'") from e
+    register()
+
+    config = json.loads((folder / "config.json").read_text())
+    stored_head = (config.get("quantization_config") or {}).get("head_bits")
+    if args.head_bits is not None and stored_head:
+        raise UnsupportedError(f"tq_cli.load: head_bits: {folder} stores lm_head quantized "
+                               f"already ({stored_head} bits); load it with head_bits=None")
+    cls = model_class(config)
+    token = SKIP_CHECKSUMS.set(not args.verify_checksums)  # the quantizer checks the folder too
+    try:
+        model = cls.from_pretrained(folder, dtype=dtype)
+    finally:
+        SKIP_CHECKSUMS.reset(token)
+    model = model.to(dev).eval()
+    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                 if t.device.type == "meta"]
+    if leftovers:
+        raise CorruptFileError(f"{folder}: tensors missing from the checkpoint: "
+                               f"{', '.join(leftovers[:5])}")
+    layers = [m for m in model.modules() if isinstance(m, TQLinear)]
+    for m in layers:
+        m.weight.set_dtype(dtype)
+    converted = len(converted_entries(ck.manifest))
+    if len(layers) != converted:
+        # transformers would have initialised the missing layers at random: never return that.
+        raise CorruptFileError(
+            f"{folder}: {converted} tensors were converted but {len(layers)} TQLinear layers "
+            "were built; is tq_cli imported before transformers loads the model?")
+    return model
+
+
 def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | None = None,
          dtype: torch.dtype | None = None, verify_checksums: bool = True,
          kv_bits: float | None = None, kv_window: int = 128,
@@ -110,39 +176,7 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
 
         kv_spec = make_spec(args.kv_bits, args.kv_window)
     folder = resolve_source(path_or_hub_id)
-    ck = check_checkpoint(folder, args.verify_checksums)
-    try:
-        from tq_cli.runtime.hf_quantizer import register
-    except ImportError as e:
-        raise TqError("loading a tq checkpoint needs transformers: pip install 'tq[models]'") from e
-    register()
-
-    config = json.loads((folder / "config.json").read_text())
-    stored_head = (config.get("quantization_config") or {}).get("head_bits")
-    if args.head_bits is not None and stored_head:
-        raise UnsupportedError(f"tq_cli.load: head_bits: {folder} stores lm_head quantized "
-                               f"already ({stored_head} bits); load it with head_bits=None")
-    cls = model_class(config)
-    token = SKIP_CHECKSUMS.set(not args.verify_checksums)  # the quantizer checks the folder too
-    try:
-        model = cls.from_pretrained(folder, dtype=dtype)
-    finally:
-        SKIP_CHECKSUMS.reset(token)
-    model = model.to(dev).eval()
-    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
-                 if t.device.type == "meta"]
-    if leftovers:
-        raise CorruptFileError(f"{folder}: tensors missing from the checkpoint: "
-                               f"{', '.join(leftovers[:5])}")
-    layers = [m for m in model.modules() if isinstance(m, TQLinear)]
-    for m in layers:
-        m.weight.set_dtype(dtype)
-    converted = len(converted_entries(ck.manifest))
-    if len(layers) != converted:
-        # transformers would have initialised the missing layers at random: never return that.
-        raise CorruptFileError(
-            f"{folder}: {converted} tensors were converted but {len(layers)} TQLinear layers "
-            "were built; is tq_cli imported before transformers loads the model?")
+    model = _read_retrying(folder, args, dev, dtype)
     if args.head_bits is not None:
         from tq_cli.runtime.head import quantize_head
 
@@ -162,7 +196,8 @@ def load(path_or_hub_id: str | os.PathLike[str], device: str | torch.device | No
         if args.compile and (reason := why_not_compiled(model)) is not None:
             raise UnsupportedError(f"tq_cli.load: compile: {reason}; pass compile=False")
         enable_compiled(model)
-    log.info("tq: %d TQLinear layers, backends %s, CPU prefill GEMM %s", len(layers),
+    log.info("tq: %d TQLinear layers, backends %s, CPU prefill GEMM %s",
+             model.tq_report["layers"],
              dict(model.tq_report["backends"]), model.tq_report["cpu_gemm"] or "-")
     return model
 
