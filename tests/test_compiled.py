@@ -341,3 +341,22 @@ def test_tq_compile_garbage_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TQ_COMPILE", "garbage")
     with pytest.raises(TqError, match="TQ_COMPILE='garbage': expected 1 or 0"):
         compiled.default_on()
+
+
+def test_a_number_a_forward_turns_into_a_tensor_is_not_a_change() -> None:
+    """Qwen2-VL's rope_deltas start as None and become a tensor in the first forward; a
+    dynamic rotary table's length turns from an int into a tensor: neither is a change
+    the compiled step misses, so neither sends generate() to the eager path."""
+    m = torch.nn.Linear(2, 2)
+    m.rope_deltas = None
+    m.max_seq_len_cached = 128
+    m.scaling = 0.5
+    first = compiled.fingerprint(m)
+    m.rope_deltas = torch.zeros(1)
+    m.max_seq_len_cached = torch.tensor(256)
+    assert not compiled.changed(first, compiled.fingerprint(m))
+    m.scaling = 0.25
+    assert compiled.changed(first, compiled.fingerprint(m))
+    m.scaling = 0.5
+    m.register_forward_hook(lambda *a: None)
+    assert compiled.changed(first, compiled.fingerprint(m))

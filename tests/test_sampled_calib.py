@@ -39,6 +39,12 @@ def test_sampled_sequences_follow_the_model_and_the_seed(tiny_llama: Path) -> No
     assert _mean_logp(tiny_llama, a) > _mean_logp(tiny_llama, uniform) + 0.01
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn(tiny_llama: Path) -> None:
+    ids = sampled_ids(tiny_llama, 10_000, 2, 30, [5, 6], set(), 0, torch.device("cpu"),
+                      vocab=40)
+    assert int(ids.max()) < 40
+
+
 def test_a_model_too_large_for_memory_is_refused(tiny_llama: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from tq_cli.calibration import sampled_tokens

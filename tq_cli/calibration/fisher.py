@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from tq_cli.calibration.run import CalibRun
-from tq_cli.calibration.skeleton import BlockWeights, candidates, hidden_of, with_hidden
+from tq_cli.calibration.skeleton import BlockWeights, hidden_of, with_hidden
 from tq_cli.errors import UnsupportedError
 
 CHUNK_LOGITS = 1 << 25  # logits formed at once (128 MB of float32) at the head
@@ -51,9 +51,10 @@ def _path_of(run: CalibRun, module: nn.Module) -> str:
     return next(n for n, m in run.modules.items() if m is module)
 
 
-def _load_head(run: CalibRun, weights: BlockWeights) -> tuple[nn.Module, nn.Linear]:
+def _load_head(run: CalibRun,
+               weights: BlockWeights) -> tuple[nn.Module, nn.Linear, nn.Module | None]:
     """The final norm and the output embedding, their weights read (a tied head reads the
-    input embedding's)."""
+    input embedding's, which is returned too, to be released with them)."""
     model: Any = run.model
     norm = run.layers.tail_norm
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -62,15 +63,15 @@ def _load_head(run: CalibRun, weights: BlockWeights) -> tuple[nn.Module, nn.Line
                                "head after the blocks")
     weights.load(norm, _path_of(run, norm))
     path = _path_of(run, head)
-    if any(c in run.source.tensors for c in candidates(f"{path}.weight", run.prefix)):
+    if weights.has(f"{path}.weight"):  # transformers' renames included
         weights.load(head, path)
-    else:  # tied to the input embedding
-        emb = model.get_input_embeddings()
-        weights.load(emb, _path_of(run, emb))
-        head._parameters["weight"] = emb.weight
-        if head.bias is not None:
-            weights.load(head, path)
-    return norm, head
+        return norm, head, None
+    emb = model.get_input_embeddings()  # tied to the input embedding
+    weights.load(emb, _path_of(run, emb))
+    head._parameters["weight"] = emb.weight
+    if head.bias is not None:
+        weights.load(head, path)
+    return norm, head, emb
 
 
 def _logits(run: CalibRun, head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +81,9 @@ def _logits(run: CalibRun, head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     scale = getattr(cfg, "logit_scale", None)
     if isinstance(scale, int | float) and scale != 1:
         logits = logits * scale
+    divide = getattr(cfg, "logits_scaling", None)  # Granite divides its logits
+    if isinstance(divide, int | float) and divide not in (0, 1):
+        logits = logits / divide
     cap = getattr(cfg, "final_logit_softcapping", None)
     if isinstance(cap, int | float) and cap > 0:
         logits = torch.tanh(logits / cap) * cap
@@ -89,49 +93,79 @@ def _logits(run: CalibRun, head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def output_fisher(run: CalibRun, folder: Path, seed: int) -> OutputFisher:
     """F_i at the output of every converted layer inside the blocks (module `run.layers`),
     on the run's token sequences. `folder`: scratch space for one block input per block
-    (the calibration tokens' hidden states: 64 MB a block at 4096 tokens of width 4096)."""
+    (the calibration tokens' hidden states: 64 MB a block at 4096 tokens of width 4096),
+    emptied again whether or not the run succeeds."""
     inputs = run.catch()
     run.inputs = None
     weights = BlockWeights(run.source, run.prefix, run.device, run.sources)
     folder.mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
-    with torch.no_grad():
-        for i, block in enumerate(run.blocks):
-            path = folder / f"block{i:05d}.pt"
-            torch.save([hidden_of(a, k).cpu() for a, k in inputs], path)
-            saved.append(path)
-            weights.load(block, f"{run.bpath}.{i}")
-            for j, (args, kwargs) in enumerate(inputs):
-                y = block(*args, **kwargs)
-                inputs[j] = with_hidden(args, kwargs, y[0] if isinstance(y, tuple | list) else y)
-            weights.release(block)
-    norm, head = _load_head(run, weights)
+    try:
+        with torch.no_grad():
+            for i, block in enumerate(run.blocks):
+                path = folder / f"block{i:05d}.pt"
+                torch.save([hidden_of(a, k).cpu() for a, k in inputs], path)
+                saved.append(path)
+                weights.load(block, f"{run.bpath}.{i}")
+                for j, (args, kwargs) in enumerate(inputs):
+                    y = block(*args, **kwargs)
+                    y = y[0] if isinstance(y, tuple | list) else y
+                    inputs[j] = with_hidden(args, kwargs, y)
+                weights.release(block)
+        grads, tokens = _head_gradients(run, weights, inputs, seed)
+        missing = {n: "a MoE expert stored fused: no layer output to measure" for t in
+                   run.layers.taps for grp in t.groups.values() for n in grp.members.values()}
+        for grp in run.layers.tail:
+            missing.update((n, "outside the blocks") for n in grp.members.values())
+        sums = _walk_back(run, weights, inputs, grads, saved, missing)
+    finally:  # a failed run leaves no block inputs behind
+        for path in saved:
+            path.unlink(missing_ok=True)
+    fisher = {n: s / tokens for n, s in sums.items()}
+    bad = [n for n, f in fisher.items() if not bool(torch.isfinite(f).all())]
+    if bad:
+        raise UnsupportedError(f"the Fisher information of '{bad[0]}' is not finite: the "
+                               "model overflows on the calibration tokens")
+    return OutputFisher(fisher, tokens, missing)
+
+
+def _head_gradients(run: CalibRun, weights: BlockWeights, inputs: list[tuple[tuple, dict]],
+                    seed: int) -> tuple[list[torch.Tensor], int]:
+    """The gradient of log p(y) at the last block's output per batch, y drawn from the
+    model at every position (seeded), and the number of tokens."""
+    norm, head, emb = _load_head(run, weights)
     gen = torch.Generator().manual_seed(seed)
     grads: list[torch.Tensor] = []
     tokens = 0
+    rows = max(1, CHUNK_LOGITS // max(1, head.out_features))
     for args, kwargs in inputs:
         h = hidden_of(args, kwargs)
         flat = h.reshape(-1, h.shape[-1])
-        rows = max(1, CHUNK_LOGITS // max(1, head.out_features))
         g = torch.empty_like(flat)
         for r in range(0, flat.shape[0], rows):
             x = flat[r:r + rows].detach().requires_grad_(True)
             with torch.enable_grad():
                 logits = _logits(run, head, norm(x))
                 with torch.no_grad():
-                    drawn = torch.multinomial(logits.softmax(-1).cpu(), 1, generator=gen)[:, 0]
+                    p = logits.softmax(-1).cpu()
+                    drawn = torch.multinomial(p, 1, generator=gen)[:, 0]
                 loss = nn.functional.cross_entropy(logits, drawn.to(logits.device),
                                                    reduction="sum")
                 (g[r:r + rows],) = torch.autograd.grad(loss, x)
         grads.append(g.view_as(h))
         tokens += flat.shape[0]
-    weights.release(norm)
-    weights.release(head)
+    for m in (norm, head, emb):
+        if m is not None:
+            weights.release(m)
+    return grads, tokens
+
+
+def _walk_back(run: CalibRun, weights: BlockWeights, inputs: list[tuple[tuple, dict]],
+               grads: list[torch.Tensor], saved: list[Path],
+               missing: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The blocks in reverse, each from its saved input with its output's gradient fed in:
+    the sums of g^2 at every converted layer's output (those in `missing` excepted)."""
     sums: dict[str, torch.Tensor] = {}
-    missing = {n: "a MoE expert stored fused: no layer output to measure" for t in
-               run.layers.taps for grp in t.groups.values() for n in grp.members.values()}
-    for grp in run.layers.tail:
-        missing.update((n, "outside the blocks") for n in grp.members.values())
     for i in range(len(run.blocks) - 1, -1, -1):
         block = run.blocks[i]
         weights.load(block, f"{run.bpath}.{i}")
@@ -141,9 +175,9 @@ def output_fisher(run: CalibRun, folder: Path, seed: int) -> OutputFisher:
                 if name in missing:
                     continue
                 mod: Any = run.modules[mpath]
-                width = int(mod.weight.shape[0])
-                sums.setdefault(name, torch.zeros(width, dtype=torch.float64))
-                handles.append(run.modules[mpath].register_forward_hook(_summing(sums[name])))
+                acc = sums.setdefault(name, torch.zeros(int(mod.weight.shape[0]),
+                                                        dtype=torch.float64))
+                handles.append(mod.register_forward_hook(_summing(acc)))
         hidden = torch.load(saved[i], weights_only=True)
         try:
             for j, (args, kwargs) in enumerate(inputs):
@@ -153,19 +187,16 @@ def output_fisher(run: CalibRun, folder: Path, seed: int) -> OutputFisher:
                     y = block(*a, **k)
                     y = y[0] if isinstance(y, tuple | list) else y
                     torch.autograd.backward(y, grads[j])
-                assert x.grad is not None
+                if x.grad is None:
+                    raise UnsupportedError(f"block {i} does not pass gradients back to its "
+                                           "input")
                 grads[j] = x.grad
         finally:
             for hd in handles:
                 hd.remove()
         weights.release(block)
         saved[i].unlink()
-    fisher = {n: s / tokens for n, s in sums.items()}
-    bad = [n for n, f in fisher.items() if not bool(torch.isfinite(f).all())]
-    if bad:
-        raise UnsupportedError(f"the Fisher information of '{bad[0]}' is not finite: the "
-                               "model overflows on the calibration tokens")
-    return OutputFisher(fisher, tokens, missing)
+    return sums
 
 
 def _summing(acc: torch.Tensor):  # type: ignore[no-untyped-def]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tq_cli.errors import SourceError
+from tq_cli.errors import SourceError, UnsupportedError
 from tq_cli.io.text import Text
 from tq_cli.planning.prepare import PlannedSource
 
@@ -144,6 +144,9 @@ def _sampled_run(planned: PlannedSource, plan: SyntheticPlan, spec: Any, seed: i
     from tq_cli.device import resolve_device
     from tq_cli.runtime.hf_models import load_tokenizer
 
+    if comm is not None and comm.world > 1:
+        raise UnsupportedError("--self-calib sampled under torchrun: not supported yet (each "
+                               "rank would hold the whole model); run it in one process")
     special = special_ids(planned.model.config or {})
     try:
         tokenizer = load_tokenizer(planned.folder)
@@ -157,7 +160,7 @@ def _sampled_run(planned: PlannedSource, plan: SyntheticPlan, spec: Any, seed: i
     first = random_token_ids(vocab, special, plan.samples, seed)
     weights = sum(t.numel for t in planned.model.tensors.values())
     ids = sampled_ids(planned.folder, weights, plan.samples, plan.seqlen, first, special, seed,
-                      resolve_device(spec.device))
+                      resolve_device(spec.device), vocab)
     drawn = Text(" ".join(map(str, ids.view(-1).tolist())),
                  f"sequences sampled from the model (seed {seed})")
     run = prepare_run(planned, spec, say, comm, ids=(ids, drawn))

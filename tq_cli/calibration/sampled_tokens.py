@@ -38,9 +38,12 @@ def _available_bytes() -> int | None:
 
 
 def sampled_ids(folder: Path, weights: int, samples: int, seqlen: int, first: list[int],
-                special: set[int], seed: int, device: torch.device) -> torch.Tensor:
+                special: set[int], seed: int, device: torch.device,
+                vocab: int | None = None) -> torch.Tensor:
     """[samples, seqlen] token ids: sequence s starts with first[s] and continues with the
-    model's own samples. `weights`: the model's parameter count (for the memory check)."""
+    model's own samples, never a special id nor one at or above `vocab` (a head padded
+    beyond the tokenizer's vocabulary). `weights`: the model's parameter count (for the
+    memory check)."""
     from transformers import AutoModelForCausalLM
 
     need = 4 * weights
@@ -52,18 +55,22 @@ def sampled_ids(folder: Path, weights: int, samples: int, seqlen: int, first: li
             "(drop --self-calib sampled)")
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except (ValueError, KeyError, OSError) as e:
+        model = model.to(device).eval()
+    except (ValueError, KeyError, OSError, RuntimeError, ImportError) as e:
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
         raise UnsupportedError(f"{folder}: --self-calib sampled needs a model transformers "
-                               f"can generate with ({type(e).__name__}: {e})") from e
-    model = model.to(device).eval()
+                               f"can generate with ({type(e).__name__}: {first_line})") from e
     # transformers 5 renamed the cache argument and output (`past_key_values` -> `cache`)
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else \
         "past_key_values"
     gen = torch.Generator().manual_seed(seed)
     ids = torch.tensor(first[:samples], dtype=torch.long).view(samples, 1)
+    limit = vocab
     vocab = int(model.get_output_embeddings().out_features)
     mask = torch.zeros(vocab, dtype=torch.bool)
     mask[[s for s in special if 0 <= s < vocab]] = True
+    if limit is not None:
+        mask[limit:] = True
     with torch.no_grad():
         out = model(input_ids=ids.to(device), use_cache=True)
         while ids.shape[1] < seqlen:

@@ -93,6 +93,10 @@ class BlockWeights:
                 for pname, p in list(mod.named_parameters(recurse=False)):
                     mod._parameters[pname] = nn.Parameter(p.to("meta"), requires_grad=False)
 
+    def has(self, name: str) -> bool:
+        """Whether the shards hold the parameter `name` (under transformers' renames too)."""
+        return self._info(name) is not None or self._fused(name) is not None
+
     def _info(self, name: str) -> TensorInfo | None:
         if self.sources is not None and name in self.sources.direct:
             return self.source.tensors[self.sources.direct[name]]

@@ -169,7 +169,7 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
         if log:
             log(f"--target-bits {spec.target_bits:g}: measuring every tensor at "
                 f"{', '.join(map(str, spec.bit_choices))} bits first")
-        fisher = _fisher(spec, planned, scratch, warn) if calib is not None else None
+        fisher = _fisher(spec, planned, out, scratch, warn) if calib is not None else None
         mixed = choose_bits(plan, spec.target_bits, spec.bit_choices, device, calib,
                             fisher=fisher)
         if mixed.record.get("fisher_unused"):
@@ -371,24 +371,26 @@ def _calibration(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.
     return CalibOptions(calibration, spec.damp, spec.act_order), record
 
 
-def _fisher(spec: ConvertSpec, planned: PlannedSource, scratch: contextlib.ExitStack,
-            warn: Callable[[str], None]) -> OutputFisher | None:
+def _fisher(spec: ConvertSpec, planned: PlannedSource, out: Path,
+            scratch: contextlib.ExitStack, warn: Callable[[str], None]) -> OutputFisher | None:
     """The Fisher information at every converted layer's output, on FISHER_TOKENS random
     tokens (what `--target-bits` weighs each tensor's error by), or None with a note where
-    the model cannot be run backwards (the widths then follow the Hessian-weighted error)."""
+    the model cannot be run backwards (the widths then follow the Hessian-weighted error).
+    Its block inputs (10 GB for a 70B model) go beside OUT, not to a small /tmp."""
     from tq_cli.calibration.fisher import output_fisher
     from tq_cli.calibration.random_tokens import synthetic_run
 
-    folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="tq-fisher-")))
+    folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(
+        prefix=f".{out.name}.tq-fisher-", dir=out.parent if out.parent.is_dir() else None)))
     try:
         run, _record = synthetic_run(planned, FISHER_TOKENS, spec.rotation.seed, folder,
                                      spec.device)
         return output_fisher(run, folder / "states", spec.rotation.seed)
-    except (SourceError, UnsupportedError) as e:
-        if isinstance(e, CorruptFileError):
-            raise
+    except CorruptFileError:
+        raise
+    except (TqError, RuntimeError, OSError, ValueError) as e:  # out of memory or disk too
         warn(f"--target-bits: widths by the Hessian-weighted error; tq could not measure "
-             f"the Fisher information of this model ({e})")
+             f"the Fisher information of this model ({str(e).splitlines()[0][:200]})")
         return None
 
 

@@ -181,7 +181,10 @@ def swap_into_place(partial: Path, out: Path) -> None:
     if old.exists():
         shutil.rmtree(old)
     if out.exists() and exchange(partial, out):
-        os.rename(partial, old)  # the old checkpoint, under the name removed below
+        try:
+            os.rename(partial, old)  # the old checkpoint, under the name removed below
+        except OSError:  # OUT is the new checkpoint already: the old one just goes
+            shutil.rmtree(partial, ignore_errors=True)
     else:
         if out.exists():
             os.rename(out, old)

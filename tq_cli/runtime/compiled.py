@@ -214,7 +214,7 @@ def enable_compiled(model: Any) -> bool:
         if own:
             seen = fingerprint(self)
             first = self.__dict__.setdefault("_tq_fingerprint", seen)
-            if seen != first:  # a hook or attribute the compiled step would not see
+            if changed(first, seen):  # a hook or attribute the compiled step would miss
                 log.info("tq: generate() runs eagerly: the model changed after its decode "
                          "step compiled (a hook, a module or an attribute)")
                 own = False
@@ -261,9 +261,25 @@ def fingerprint(model: nn.Module) -> tuple[Any, ...]:
         hooks = tuple(tuple(getattr(m, h, {}).keys()) for h in _MODULE_HOOKS)
         attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
                              if k != "training" and not (name == "" and k.startswith("_"))
-                             and (v is None or type(v) in (bool, int, float, str))))
+                             and type(v) in (bool, int, float, str)))
         per.append((name, type(m), hooks, attrs))
     return glob, tuple(per)
+
+
+def changed(first: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    """Whether `now` (a `fingerprint`) differs from `first` in what a compiled step may
+    miss: hooks, the module tree, or a plain attribute that is plain in both (one that a
+    forward turns from a number into a tensor, as Qwen2-VL's rope_deltas or a dynamic
+    rotary table's length, is dynamo's to guard)."""
+    if first[0] != now[0] or len(first[1]) != len(now[1]):
+        return True
+    for (n0, t0, h0, a0), (n1, t1, h1, a1) in zip(first[1], now[1], strict=True):
+        if (n0, t0, h0) != (n1, t1, h1):
+            return True
+        d0, d1 = dict(a0), dict(a1)
+        if any(d0[k] != d1[k] for k in d0.keys() & d1.keys()):
+            return True
+    return False
 
 
 def _can_skip_guards() -> bool:
@@ -311,6 +327,16 @@ class RepeatedSteps:
         return out
 
 
-__all__ = ["ATTENTION", "RepeatedSteps", "bucket", "compile_options", "decode_attention",
-           "default_on", "enable_compiled", "fingerprint", "skip_packed_tensor_guards",
-           "why_not_compiled"]
+__all__ = [
+    "ATTENTION",
+    "RepeatedSteps",
+    "bucket",
+    "changed",
+    "compile_options",
+    "decode_attention",
+    "default_on",
+    "enable_compiled",
+    "fingerprint",
+    "skip_packed_tensor_guards",
+    "why_not_compiled",
+]

@@ -86,12 +86,17 @@ def _read_retrying(folder: Path, args: LoadSpec, dev: torch.device,
     for attempt in range(READ_TRIES):
         before = _identity(folder)
         try:
-            return _read(folder, args, dev, dtype)
-        except (CorruptFileError, OSError):
+            model = _read(folder, args, dev, dtype)
+        except Exception:
             if attempt + 1 == READ_TRIES or _identity(folder) == before:
                 raise
             log.info("tq: %s was replaced while it loaded; loading it again", folder)
-    raise AssertionError("unreachable")
+            continue
+        if _identity(folder) == before:  # read from one folder throughout: not a mix
+            return model
+        log.info("tq: %s was replaced while it loaded; loading it again", folder)
+    raise CorruptFileError(f"{folder}: replaced {READ_TRIES} times while it loaded; load it "
+                           "again once the conversion writing it has finished")
 
 
 def _identity(folder: Path) -> tuple[int, int] | None:
