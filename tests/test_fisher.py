@@ -93,3 +93,36 @@ def test_target_bits_weighs_errors_by_the_fisher(tiny_llama: Path, tmp_path: Pat
     mixed = json.loads(r.stdout)["mixed_precision"]
     assert mixed["error"] == "fisher-weighted" and "fisher_unused" not in mixed
     assert mixed["fisher_tokens"] == 4096 and mixed["achieved_bits"] <= 3
+
+
+def test_an_encoders_fisher_is_that_of_its_hidden_states(tiny_bert: Path,
+                                                          tmp_path: Path) -> None:
+    """A model without an LM head (an encoder's output is its hidden states): F from the
+    gradients of <v, y> with v ~ N(0, I), as the whole model's own backward pass gives."""
+    from transformers import AutoModel
+
+    planned = plan_source(tiny_bert, None)
+    run, _ = synthetic_run(planned, 128, 0, tmp_path, "cpu")
+    got = output_fisher(run, tmp_path / "states", seed=3)
+    names = [n for n in planned.converted_names if ".layer." in n]
+    assert names and sorted(got.fisher) == sorted(names)
+    model = AutoModel.from_pretrained(tiny_bert, dtype=torch.float32).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    acc = {n: torch.zeros(got.fisher[n].shape, dtype=torch.float64) for n in names}
+    for n in names:
+        def hook(_m: nn.Module, _a: tuple, out: torch.Tensor, n: str = n) -> None:
+            def add(g: torch.Tensor) -> None:
+                acc[n].add_(g.reshape(-1, g.shape[-1]).pow(2).sum(0, dtype=torch.float64))
+            out.register_hook(add)
+        model.get_submodule(n.removesuffix(".weight")).register_forward_hook(hook)
+    gen = torch.Generator().manual_seed(3)
+    emb = model.get_input_embeddings()
+    for i in range(0, run.seqs.shape[0], run.batch):
+        ids = run.seqs[i:i + run.batch]
+        x = emb(ids).detach().requires_grad_(True)
+        y = model(inputs_embeds=x).last_hidden_state
+        y.backward(torch.randn(y.shape, generator=gen))
+    for n in names:
+        torch.testing.assert_close(got.fisher[n], acc[n] / run.seqs.numel(), rtol=2e-4,
+                                   atol=1e-12)

@@ -1,5 +1,6 @@
 """The diagonal of the Fisher information at each converted layer's output, one block at a
-time: what a weight error there costs the model's predictions.
+time: what a weight error there costs the model's predictions (for an encoder, whose
+output is its hidden states, what it costs them: `_probe_gradients`).
 
 For a layer z = W x, an error dW moves z by dW x, and to second order the KL divergence
 from the model's next-token distribution grows by 1/2 dz^T F dz, F = E[g g^T] with g the
@@ -112,7 +113,13 @@ def output_fisher(run: CalibRun, folder: Path, seed: int) -> OutputFisher:
                     y = y[0] if isinstance(y, tuple | list) else y
                     inputs[j] = with_hidden(args, kwargs, y)
                 weights.release(block)
-        grads, tokens = _head_gradients(run, weights, inputs, seed)
+        model: Any = run.model
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") \
+            else None
+        if head is None and not (hasattr(model, "can_generate") and model.can_generate()):
+            grads, tokens = _probe_gradients(inputs, seed)  # an encoder: its hidden states
+        else:
+            grads, tokens = _head_gradients(run, weights, inputs, seed)
         missing = {n: "a MoE expert stored fused: no layer output to measure" for t in
                    run.layers.taps for grp in t.groups.values() for n in grp.members.values()}
         for grp in run.layers.tail:
@@ -158,6 +165,20 @@ def _head_gradients(run: CalibRun, weights: BlockWeights, inputs: list[tuple[tup
         if m is not None:
             weights.release(m)
     return grads, tokens
+
+
+def _probe_gradients(inputs: list[tuple[tuple, dict]],
+                     seed: int) -> tuple[list[torch.Tensor], int]:
+    """For a model whose output is its last hidden states (an encoder: embeddings), the
+    gradients of <v, y> with v ~ N(0, I) per position: E[g g^T] = J J^T, the Fisher
+    information of a Gaussian of unit variance around the output, whose KL is half the
+    squared error of the hidden states."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for args, kwargs in inputs:
+        h = hidden_of(args, kwargs)
+        grads.append(torch.randn(h.shape, generator=gen, dtype=h.dtype).to(h.device))
+    return grads, sum(int(g[..., 0].numel()) for g in grads)
 
 
 def _walk_back(run: CalibRun, weights: BlockWeights, inputs: list[tuple[tuple, dict]],
