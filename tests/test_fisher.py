@@ -8,24 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tinymodels import save_tiny_tokenizer
+from tinymodels import build_tiny_llama
 from torch import nn
 
 from tq_cli.calibration.fisher import fisher_cost, output_fisher
 from tq_cli.calibration.random_tokens import synthetic_run
 from tq_cli.planning.prepare import plan_source
-
-
-def _tied_llama(folder: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    save_tiny_tokenizer(folder, 320)
-    return folder
 
 
 def _reference(folder: Path, seqs: torch.Tensor, batch: int, seed: int,
@@ -61,7 +49,8 @@ def _reference(folder: Path, seqs: torch.Tensor, batch: int, seed: int,
 @pytest.mark.parametrize("tied", [False, True])
 def test_block_by_block_equals_the_whole_models_backward(tiny_llama: Path, tmp_path: Path,
                                                          tied: bool) -> None:
-    source = _tied_llama(tmp_path / "tied") if tied else tiny_llama
+    source = (build_tiny_llama(tmp_path / "tied", layers=3, tied=True, seed=3) if tied
+              else tiny_llama)
     planned = plan_source(source, None)
     run, _ = synthetic_run(planned, 256, 0, tmp_path, "cpu")
     got = output_fisher(run, tmp_path / "states", seed=5)

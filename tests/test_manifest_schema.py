@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tinymodels import save_tiny_tokenizer
+from tinymodels import build_tiny_llama
 
 import tq_cli
 from tq_cli.conversion.converter import ConvertSpec, convert
@@ -27,24 +27,12 @@ from tq_cli.io.integrity import manifest_digest
 IDS = torch.arange(3, 19)[None]
 
 
-def _tied_llama(folder: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(4)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    save_tiny_tokenizer(folder, 320)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def sealed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
     """A converted tiny tied Llama (its head stored once, at 8 bits) and its logits."""
     root = tmp_path_factory.mktemp("schema")
     out = root / "tq"
-    convert(_tied_llama(root / "src"), out, ConvertSpec(fast=True))
+    convert(build_tiny_llama(root / "src", tied=True, seed=4), out, ConvertSpec(fast=True))
     with torch.no_grad():
         logits = tq_cli.load(out, compile=False)(IDS).logits
     return out, logits

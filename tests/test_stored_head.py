@@ -29,17 +29,10 @@ IDS = torch.tensor([[3, 17, 250, 9, 64, 101, 2, 300]])
 
 @pytest.fixture(scope="module")
 def tied_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tinymodels import save_tiny_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tinymodels import build_tiny_llama
 
-    torch.manual_seed(1)
-    folder = tmp_path_factory.mktemp("models") / "tied-llama"
-    cfg = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    save_tiny_tokenizer(folder, 320)
-    return folder
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tied-llama", tied=True,
+                            seed=1, shard="10GB")  # one model.safetensors
 
 
 def _convert(src: Path, out: Path, head_bits: int | None) -> Path:

@@ -31,13 +31,15 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
                             pad_token="[PAD]").save_pretrained(folder)
 
 
-def build_tiny_llama(folder: Path, layers: int = 2, shard: str = "100KB") -> Path:
+def build_tiny_llama(folder: Path, layers: int = 2, shard: str = "100KB",
+                     tied: bool = False, seed: int = 0) -> Path:
+    """`tied`: lm_head shares the input embedding's weight (SmolLM2's layout)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=320, hidden_size=96, intermediate_size=200,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, tie_word_embeddings=False)
+                      max_position_embeddings=128, tie_word_embeddings=tied)
     LlamaForCausalLM(cfg).save_pretrained(folder, max_shard_size=shard)
     save_tiny_tokenizer(folder, 320)
     return folder
