@@ -20,7 +20,7 @@ TORCH_INDEX ?=
 DEMO_OUT ?= $(HOME)/.cache/tq/demo/SmolLM2-135M-Instruct-tq4
 CONSTRAINTS ?=
 
-.PHONY: install install-locked lock demo test test-isa lint bench bench-quick wheel-check clean vllm-test
+.PHONY: install install-locked lock demo test test-isa lint bench bench-quick wheel wheel-check clean vllm-test
 
 install: $(VENV)/.installed
 
@@ -74,6 +74,11 @@ bench: install
 
 bench-quick: install
 	$(VENV)/bin/tq bench --quick --baseline .ci/bench-baseline-cpu.json
+
+# The platform wheel: tq with its CPU kernels compiled in (setup.py, tq_kernels/prebuild.py),
+# built against .venv's torch (no build isolation), into dist/.
+wheel: install
+	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
 
 wheel-check:
 	bash scripts/wheel_check.sh

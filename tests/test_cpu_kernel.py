@@ -473,6 +473,7 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatc
     built = cpu_build.load()  # never raises
     assert built.path is None and built.error
     monkeypatch.setattr(cpu_build, "load", lambda: built)
+    monkeypatch.setattr(cpu_build, "_announced", set())
     cpu._built.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -480,6 +481,7 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatc
             assert not cpu.available() and not cpu.available()
             assert dispatch.backend_for("cpu") == "torch"
         assert len(caught) == 1 and "runs the torch reference" in str(caught[0].message)
+        assert "Fix: install a C++ compiler" in str(caught[0].message)
     finally:
         monkeypatch.undo()
         cpu._built.cache_clear()

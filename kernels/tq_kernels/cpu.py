@@ -44,9 +44,8 @@ GEMM_PRECISIONS = ("fp32", "bf16")
 def _built() -> cpu_build.Built:
     built = cpu_build.load()
     if built.error is not None:
-        warnings.warn(f"tq: CPU kernel unavailable ({built.error}); TQLinear runs the torch "
-                      "reference on CPU (backend 'torch', several times slower)",
-                      RuntimeWarning, stacklevel=4)
+        cpu_build.announce("native CPU kernel", built, "TQLinear runs the torch reference on "
+                           "CPU (backend 'torch', several times slower)")
     else:
         # TQ_CPU_ISA's cap for the operators that pick a variant themselves (rotate,
         # decode attention, outlier values); _cap() applies it to the rest, and warns

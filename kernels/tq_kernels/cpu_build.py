@@ -14,15 +14,23 @@ operators (`torch.ops.tq_cpu.*`, `torch.ops.tq_fit.*`, `torch.ops.tq_kv.*`) and 
 loaded with
 `torch.ops.load_library`.
 
+A platform wheel (`make wheel`, `tq_kernels.prebuild`) carries the three libraries
+already compiled, in `tq_kernels/prebuilt/`, with `build.json` naming the torch they were
+built against and a hash of their sources. `load()` takes a prebuilt library first when
+both match the running torch and the installed sources; otherwise (a source install, or
+another torch) it compiles as above.
+
 No `-march=native`: the SIMD variants are compiled with per-function target pragmas and
-chosen at run time, so a cache shared between machines never runs an instruction a CPU
-lacks. Any failure (no compiler, a compile error, an unwritable cache) is reported by
-`load()` as a reason string, never raised: the caller falls back to the torch reference.
+chosen at run time, so a cache shared between machines (or a wheel) never runs an
+instruction a CPU lacks. Any failure (no compiler, a compile error, an unwritable cache)
+is reported by `load()` as a reason string, never raised: the caller falls back to the
+torch reference, and `announce()` says so once per process, with the fix.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -35,6 +43,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
+PREBUILT = Path(__file__).parent / "prebuilt"  # only in a platform wheel
+PREBUILT_RPATH = "$ORIGIN/../../torch/lib"  # tq_kernels/prebuilt -> site-packages/torch/lib
 MAIN = "tq_cpu.cpp"
 FIT = "fit_cpu.cpp"  # its own files are named fit_*
 KV = "kv_cpu.cpp"  # its own files are named kv_*; shared_* go into all, the rest to MAIN
@@ -85,6 +95,7 @@ class Built:
 
     path: Path | None
     error: str | None = None
+    prebuilt: bool = False  # loaded from the wheel's tq_kernels/prebuilt, not compiled here
 
 
 def cache_dir() -> Path:
@@ -111,12 +122,33 @@ def _torch_dirs() -> tuple[list[str], str]:
         str(root / "lib")
 
 
-def _command(cxx: str, src: Path, out: Path) -> list[str]:
+def _command(cxx: str, src: Path, out: Path, rpath: str | None = None) -> list[str]:
+    """The compile command; `rpath` (default: the installed torch's lib folder) is where
+    the library looks for torch's own libraries."""
     includes, lib = _torch_dirs()
-    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{CSRC}",
+    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={cxx11_abi()}", f"-I{CSRC}",
             *(f"-isystem{d}" for d in includes), str(src), "-o", str(out), f"-L{lib}",
-            "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}"]
+            "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{rpath or lib}"]
+
+
+def cxx11_abi() -> int:
+    return int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+
+
+def torch_release() -> str:
+    """The running torch's version without its local label (2.13.0+cpu and 2.13.0+cu128
+    export the same C++ symbols to an operator library)."""
+    return torch.__version__.split("+")[0]
+
+
+def source_key(main: str = MAIN) -> str:
+    """Hash of the sources and flags one library is built from (not of the compiler: a
+    prebuilt library is matched against the sources installed beside it)."""
+    h = hashlib.sha256()
+    for f in _sources(main):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(" ".join(FLAGS).encode())
+    return h.hexdigest()[:16]
 
 
 def _sources(main: str) -> list[Path]:
@@ -136,9 +168,7 @@ def _sources(main: str) -> list[Path]:
 
 def build_key(cxx: str, main: str = MAIN) -> str:
     """Hash of everything the library depends on: sources, torch, compiler, flags."""
-    h = hashlib.sha256()
-    for f in _sources(main):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h = hashlib.sha256(source_key(main).encode())
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
@@ -150,17 +180,16 @@ def build_key(cxx: str, main: str = MAIN) -> str:
     return h.hexdigest()[:16]
 
 
-def _compile(cxx: str, target: Path, main: str = MAIN) -> None:
+def _compile(cxx: str, target: Path, main: str = MAIN, rpath: str | None = None) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=target.parent)
     os.close(fd)
+    command = _command(cxx, CSRC / main, Path(tmp), rpath)
     try:
-        proc = subprocess.run(_command(cxx, CSRC / main, Path(tmp)), capture_output=True,
-                              text=True, timeout=900)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             log = target.with_suffix(".log")
-            log.write_text(" ".join(_command(cxx, CSRC / main, Path(tmp))) + "\n\n"
-                           + proc.stdout + proc.stderr)
+            log.write_text(" ".join(command) + "\n\n" + proc.stdout + proc.stderr)
             lines = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
             first = (lines or proc.stderr.strip().splitlines() or ["no output"])[0]
             raise RuntimeError(f"{Path(cxx).name} failed: {first.strip()[:200]} (full log: {log})")
@@ -170,22 +199,77 @@ def _compile(cxx: str, target: Path, main: str = MAIN) -> None:
             os.unlink(tmp)
 
 
+def prebuilt(main: str = MAIN) -> tuple[Path | None, str]:
+    """The wheel's prebuilt library for `main` if it fits the running torch and the
+    installed sources, else None and why not ("" where the install has none at all)."""
+    try:
+        info = json.loads((PREBUILT / "build.json").read_text())
+        entry = info["libraries"][main]
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"the wheel's prebuilt/build.json is unreadable ({e})"
+    built_for = f"torch {info.get('torch')} on {info.get('machine')}"
+    if (info.get("torch"), info.get("cxx11_abi"), info.get("machine")) != (
+            torch_release(), cxx11_abi(), platform.machine()):
+        return None, (f"this tq wheel's kernels were built for {built_for}, not torch "
+                      f"{torch_release()} on {platform.machine()}")
+    if entry.get("sources") != source_key(main):
+        return None, "the prebuilt kernels do not match the installed sources"
+    path = PREBUILT / str(entry.get("file"))
+    if not path.is_file():
+        return None, f"the wheel's prebuilt {path.name} is missing"
+    return path, ""
+
+
 def load(main: str = MAIN) -> Built:
-    """Load the cached library built from `main` (MAIN or FIT), compiling it first if
-    needed; never raises."""
+    """Load `main`'s library (MAIN, FIT or KV): the wheel's prebuilt one when it fits, else
+    the cached build, compiling it first if needed; never raises."""
     with _lock:
-        cxx = compiler()
-        if cxx is None:
-            return Built(None, "no C++ compiler found (install g++ or set CXX)")
-        try:
-            target = cache_dir() / f"{Path(main).stem}-{build_key(cxx, main)}.so"
-            if not target.exists():
-                try:
-                    _compile(cxx, target, main)
-                except OSError:  # an unwritable cache: build for this process only
-                    target = Path(tempfile.mkdtemp(prefix="tq-kernels-")) / target.name
-                    _compile(cxx, target, main)
-            torch.ops.load_library(str(target))
-        except Exception as e:  # a failed build must never stop a model from running
-            return Built(None, str(e) or type(e).__name__)
-        return Built(target)
+        path, why_not = prebuilt(main)
+        if path is not None:
+            try:
+                torch.ops.load_library(str(path))
+                return Built(path, prebuilt=True)
+            except Exception as e:  # e.g. a libstdc++ older than the build machine's
+                why_not = f"the wheel's prebuilt {path.name} did not load ({e})"
+        built = _load_compiled(main)
+        if built.error is not None and why_not:
+            return Built(None, f"{why_not}, and {built.error}")
+        return built
+
+
+def _load_compiled(main: str) -> Built:
+    cxx = compiler()
+    if cxx is None:
+        return Built(None, "no C++ compiler found")
+    try:
+        target = cache_dir() / f"{Path(main).stem}-{build_key(cxx, main)}.so"
+        if not target.exists():
+            try:
+                _compile(cxx, target, main)
+            except OSError:  # an unwritable cache: build for this process only
+                target = Path(tempfile.mkdtemp(prefix="tq-kernels-")) / target.name
+                _compile(cxx, target, main)
+        torch.ops.load_library(str(target))
+    except Exception as e:  # a failed build must never stop a model from running
+        return Built(None, str(e) or type(e).__name__)
+    return Built(target)
+
+
+_announced: set[str] = set()
+
+
+def announce(what: str, built: Built, consequence: str) -> None:
+    """Say once per process, as a RuntimeWarning, that a native library is unavailable,
+    why, what runs instead and how to get it; a reason already said (the three libraries
+    usually fail for the same one) is not said again."""
+    if built.error is None or built.error in _announced:
+        return
+    _announced.add(built.error)
+    import warnings
+
+    warnings.warn(f"tq: {what} unavailable ({built.error}); {consequence}. Fix: install a "
+                  "C++ compiler (e.g. `apt install g++`, or set CXX) so tq builds it on "
+                  f"first use, or a tq platform wheel built for torch {torch_release()} "
+                  "(`make wheel`)", RuntimeWarning, stacklevel=5)

@@ -11,7 +11,6 @@ one warning says why, and the quantizer runs its torch version. `TQ_CPU_ISA=avx2
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
@@ -24,8 +23,8 @@ ISAS = cpu_build.ISAS
 def _built() -> cpu_build.Built:
     built = cpu_build.load(cpu_build.FIT)
     if built.error is not None:
-        warnings.warn(f"tq: native quantizer fit unavailable ({built.error}); conversion runs "
-                      "the torch version (several times slower)", RuntimeWarning, stacklevel=4)
+        cpu_build.announce("native quantizer fit", built, "conversion runs the torch version "
+                           "(several times slower)")
     return built
 
 

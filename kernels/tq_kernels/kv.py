@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from types import ModuleType
 
 import torch
@@ -37,9 +36,8 @@ MAIN = cpu_build.KV
 def _built() -> cpu_build.Built:
     built = cpu_build.load(MAIN)
     if built.error is not None:
-        warnings.warn(f"tq: native KV-cache attention kernel unavailable ({built.error}); "
-                      "coded KV attention runs the torch reference on CPU",
-                      RuntimeWarning, stacklevel=4)
+        cpu_build.announce("native KV-cache attention kernel", built,
+                           "coded KV attention runs the torch reference on CPU")
     return built
 
 
