@@ -1,33 +1,45 @@
-"""llama.cpp beside tq on the same SmolLM2-135M weights: CPU decode, prefill, memory, size.
+"""llama.cpp beside tq on the same weights: CPU decode, prefill, memory, size.
 
-Usage: python scripts/bench_llamacpp.py [--tq-folder TQ] [--tokens 64] [--prefill 512]
+Usage: python scripts/bench_llamacpp.py [--shape smollm2|qwen2.5-0.5b] [--bits 4,3]
+           [--quants F32,Q4_0,Q4_K_M,Q3_K_S] [--tq-folder TQ] [--tokens 64] [--prefill 512]
            [--threads 1,2] [--rounds 3] [--json FILE] [--llama-python PATH] [--work DIR]
 
-Engines: tq 4-bit (`tq_cli.load`, its defaults: on the CPU the compiled decode step,
-compiled during the warm-up; `TQ_COMPILE=0` in the environment for the eager path; the
-head as the checkpoint stores it: `tq convert` stores it at 8 bits by default, as
-llama.cpp's 4-bit files store the tied embedding/head in Q8_0), for a checkpoint that
-keeps its head also the same with lm_head quantized to 8 bits as it loads (`head_bits=8`),
-the fp32 model in transformers, and llama.cpp (via
-llama-cpp-python) on GGUFs of the same fp32 folder: F32 (convert_hf_to_gguf.py), Q4_0 and
-Q4_K_M (llama.cpp's quantizer). Per thread count and round each engine runs in a fresh
-subprocess, so its peak RSS (VmHWM) is its own, and the engines alternate, so a burst of
-load from elsewhere does not decide a ratio. After a warm-up each times greedy decode of
---tokens new tokens from the same prompt ids (tokens/s, prompt forward included, EOS a
-token like any other: generate() with EOS off, as bench_decode.py's, or a fixed loop) and
-one forward over --prefill tokens of the evaluation text; the best of --rounds is kept.
-Threads: torch.set_num_threads, or llama.cpp's n_threads and n_threads_batch; nothing is
-pinned. Also reported: RSS before
-the model loads (after the engine's imports), weight file sizes (MB here are MiB), tq's
-ratios to each llama.cpp variant, and how many leading greedy ids (of 32) engines share.
+Shapes: SmolLM2-135M-Instruct (the real model), or Qwen2.5-0.5B's shape (hidden 896,
+intermediate 4864, 24 layers, 14/2 heads of 64, its 151,936-entry tied vocabulary) with
+random weights, in float32, as a Llama-architecture folder (no q/k/v bias) with SmolLM2's
+tokenizer, built in --work (`tq_cli.bench.synthetic_llama`); its tq conversions are
+`--fast` (the weight-only fit: random weights need no calibration, and the kernels that run
+are the same).
+
+Engines: tq at each of --bits (`tq_cli.load`, its defaults: on the CPU the compiled decode
+step, compiled during the warm-up; `TQ_COMPILE=0` in the environment for the eager path;
+the head as the checkpoint stores it: `tq convert` stores it at 8 bits by default, as
+llama.cpp's 4-bit files store the tied embedding/head in Q8_0), for a checkpoint that keeps
+its head also the same with lm_head quantized to 8 bits as it loads (`head_bits=8`), the
+fp32 model in transformers, and llama.cpp (via llama-cpp-python) on GGUFs of the same fp32
+folder: F32 (convert_hf_to_gguf.py) and the --quants types made by llama.cpp's quantizer
+(without an importance matrix; where a row's width is not a multiple of 256, as SmolLM2's
+576 and Qwen2.5-0.5B's 896, llama.cpp stores a K-quant type's tensors in its fallback, Q4_0
+for Q3_K, so its "3-bit" files are mostly 4-bit there: the file sizes say so). Each tq row
+is set against the llama.cpp types of its own width (Q4_* against tq 4-bit, Q3_* against tq
+3-bit). Per thread count and round each engine runs in a fresh subprocess, so its peak RSS
+(VmHWM) is its own, and the engines alternate, so a burst of load from elsewhere does not
+decide a ratio. After a warm-up each times greedy decode of --tokens new tokens from the
+same prompt ids (tokens/s, prompt forward included, EOS a token like any other: generate()
+with EOS off, as bench_decode.py's, or a fixed loop) and one forward over --prefill tokens
+of the evaluation text; the best of --rounds is kept. Threads: torch.set_num_threads, or
+llama.cpp's n_threads and n_threads_batch; nothing is pinned. Also reported: RSS before the
+model loads (after the engine's imports), weight file sizes (MB here are MiB), tq's ratios
+to each llama.cpp variant, and how many leading greedy ids (of 32) engines share.
 
 Made in --work (default ~/.cache/tq/llamacpp) when missing, then reused: the GGUFs, the
 converter (vendor/llama.cpp of llama-cpp-python's sdist, run by this interpreter with the
-sdist's gguf-py), and a tq 4-bit conversion unless --tq-folder. llama.cpp runs under
---llama-python (default ~/.cache/tq/llamacpp-venv/bin/python); when that is missing, its
-venv is made and llama-cpp-python built from source into it (7-10 minutes on one core),
-with CMAKE_ARGS from the environment or else `cmake_args()`. If llama.cpp cannot be built
-or imported, one line says why and the exit status is 2.
+sdist's gguf-py), the Qwen2.5-0.5B-shaped folder, and tq's conversions (a 4-bit one unless
+--tq-folder). llama.cpp runs under --llama-python (default
+~/.cache/tq/llamacpp-venv/bin/python); when that is missing, its venv is made and
+llama-cpp-python built from source into it (7-10 minutes on one core), with CMAKE_ARGS
+from the environment or else `cmake_args()`. If llama.cpp cannot be built or imported,
+one line says why and the exit status is 2.
 """
 
 from __future__ import annotations
@@ -53,7 +65,8 @@ ISA = {"sse4_2": "SSE42", "avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F
        "bmi2": "BMI2", "avx_vnni": "AVX_VNNI", "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI",
        "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16"}  # /proc/cpuinfo: ggml
 PROMPT = "The history of the Python programming language"  # as bench_decode.py
-QUANTS = {"Q4_0": 2, "Q4_K_M": 15}  # llama_ftype values (llama.h)
+QUANTS = {"Q4_0": 2, "Q4_K_M": 15, "Q3_K_S": 11, "Q3_K_M": 12}  # llama_ftype (llama.h)
+SHAPES = ("smollm2", "qwen2.5-0.5b")
 LEAD = 32  # greedy ids compared between engines
 
 
@@ -239,8 +252,9 @@ def converter(python: Path, work: Path, version: str) -> Path:
     return root
 
 
-def ensure_ggufs(src: Path, work: Path, python: Path, version: str) -> dict[str, Path]:
-    out = {q: work / f"{src.name}-{q}.gguf" for q in ("F32", *QUANTS)}
+def ensure_ggufs(src: Path, work: Path, python: Path, version: str,
+                 quants: list[str]) -> dict[str, Path]:
+    out = {q: work / f"{src.name}-{q}.gguf" for q in ("F32", *quants)}
     if not out["F32"].exists():
         root, tmp = converter(python, work, version), out["F32"].with_suffix(".tmp")
         env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
@@ -250,7 +264,8 @@ def ensure_ggufs(src: Path, work: Path, python: Path, version: str) -> dict[str,
         if proc.returncode:
             fail(f"convert_hf_to_gguf.py failed: {reason(proc.stderr)}")
         tmp.rename(out["F32"])
-    for q, ftype in QUANTS.items():
+    for q in quants:
+        ftype = QUANTS[q]
         if not out[q].exists():
             tmp = out[q].with_suffix(".tmp")
             job = {"engine": "quantize", "path": str(out["F32"]), "out": str(tmp),
@@ -258,20 +273,47 @@ def ensure_ggufs(src: Path, work: Path, python: Path, version: str) -> dict[str,
             if spawn(str(python), job)["rc"]:
                 fail(f"llama_model_quantize to {q} failed")
             tmp.rename(out[q])
-    return out
+    return out if "F32" in quants else {q: p for q, p in out.items() if q != "F32"}
 
 
-def ensure_tq(src: Path, work: Path) -> Path:
-    from tq_cli.conversion.converter import ConvertSpec, convert
-    from tq_cli.quant.spec import QuantSpec
+def ensure_source(shape: str, work: Path) -> Path:
+    """SmolLM2's fp32 folder, or the Qwen2.5-0.5B-shaped one built in `work`."""
+    from tq_cli.demo_model import smollm2_folder
 
-    folder = work / f"{src.name}-tq4-h8"  # the default conversion: an 8-bit head
+    if shape == "smollm2":
+        return smollm2_folder()
+    import torch
+
+    from tq_cli.bench.synthetic_llama import QWEN25_05B_SMOL, write_synthetic_llama
+
+    folder = work / "qwen2.5-0.5b-shape"
     if not (folder / "config.json").exists():
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        convert(src, tmp, ConvertSpec(quant=QuantSpec(bits=4)))  # as bench_decode.py
+        write_synthetic_llama(tmp, **QWEN25_05B_SMOL, dtype=torch.float32,
+                              tokenizer_from=smollm2_folder())
         tmp.rename(folder)
     return folder
+
+
+def ensure_tq(src: Path, work: Path, bits: int, fast: bool) -> Path:
+    from tq_cli.conversion.converter import ConvertSpec, convert
+    from tq_cli.quant.spec import QuantSpec
+
+    # the default conversion (an 8-bit head), weight-only for random weights
+    folder = work / f"{src.name}-tq{bits}-h8{'-fast' if fast else ''}"
+    if not (folder / "config.json").exists():
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        convert(src, tmp, ConvertSpec(quant=QuantSpec(bits=bits), fast=fast))
+        tmp.rename(folder)
+    return folder
+
+
+def width(engine: str) -> int | None:
+    """The bits of a row's weights: 'tq 3-bit' -> 3, 'llama.cpp Q4_K_M' -> 4, F32 None."""
+    found = re.search(r"(\d)-bit|I?Q(\d)_", engine)
+    return int(found.group(1) or found.group(2)) if found else None
 
 
 def size_mb(path: Path) -> float:
@@ -289,7 +331,12 @@ def main() -> int:
     if sys.argv[1:] == ["--worker"]:
         return worker()
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tq-folder", type=Path, help="a tq checkpoint (default: convert one)")
+    ap.add_argument("--shape", choices=SHAPES, default="smollm2")
+    ap.add_argument("--bits", default="4", help="tq widths, comma-separated (e.g. 4,3)")
+    ap.add_argument("--quants", default="F32,Q4_0,Q4_K_M",
+                    help=f"llama.cpp types, comma-separated, of F32 and {', '.join(QUANTS)}")
+    ap.add_argument("--tq-folder", type=Path,
+                    help="a tq 4-bit checkpoint (default: convert one)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
@@ -305,12 +352,17 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from tq_cli.demo_model import smollm2_folder
     from tq_cli.io.text import evaluation_text
 
-    src = smollm2_folder()
-    ggufs = ensure_ggufs(src, work, python, version)
-    tq_folder = args.tq_folder or ensure_tq(src, work)
+    quants = [q for q in args.quants.split(",") if q]
+    if unknown := [q for q in quants if q != "F32" and q not in QUANTS]:
+        fail(f"unknown llama.cpp type(s) {unknown}: choose from F32, {', '.join(QUANTS)}")
+    src = ensure_source(args.shape, work)
+    ggufs = ensure_ggufs(src, work, python, version, quants)
+    fast = args.shape != "smollm2"
+    tq = {b: (args.tq_folder if args.tq_folder and b == 4 else ensure_tq(src, work, b, fast))
+          for b in (int(b) for b in args.bits.split(","))}
+    tq_folder = tq[min(tq, key=lambda b: abs(b - 4))]
     tok = AutoTokenizer.from_pretrained(src)
     prompt = tok(PROMPT).input_ids
     long = tok(evaluation_text().text).input_ids[:args.prefill]
@@ -318,8 +370,8 @@ def main() -> int:
     # one that keeps it is also run with the head quantized as it loads.
     stored_head = json.loads((Path(tq_folder) / "config.json").read_text())[
         "quantization_config"].get("head_bits")
-    mine = ["tq 4-bit"] + ([] if stored_head else ["tq 4-bit, head 8"])
-    engines = {"tq 4-bit": (sys.executable, "tq", tq_folder),
+    mine = [f"tq {b}-bit" for b in tq] + ([] if stored_head else ["tq 4-bit, head 8"])
+    engines = {**{f"tq {b}-bit": (sys.executable, "tq", f) for b, f in tq.items()},
                **({} if stored_head else
                   {"tq 4-bit, head 8": (sys.executable, "tq_head8", tq_folder)}),
                "fp32 (transformers)": (sys.executable, "fp32", src),
@@ -340,13 +392,14 @@ def main() -> int:
                        "peak_rss_mb": round(b["rss_mb"], 1),
                        "rss_before_load_mb": round(b["base_mb"], 1), "file_mb": files[name],
                        "lead_match_fp32": lead(b["ids"], best["fp32 (transformers)"]["ids"]),
-                       "lead_match_tq": lead(b["ids"], best["tq 4-bit"]["ids"]),
+                       "lead_match_tq": lead(b["ids"], best[mine[0]]["ids"]),
                        "first_ids": b["ids"]} for name, b in best.items()}
         ratios = {f"{t} / {name}": {k: round(rows[t][k] / r[k], 3) for k in
                                     ("decode_tokens_per_s", "prefill_tokens_per_s",
                                      "peak_rss_mb", "file_mb")}
                   for t in mine
-                  for name, r in rows.items() if name.startswith("llama")}
+                  for name, r in rows.items()
+                  if name.startswith("llama") and width(name) in (None, width(t))}
         runs.append({"threads": threads, "engines": rows, "tq_over_llama_cpp": ratios,
                      "tq_stored_head_bits": stored_head})
         print(f"\nthreads={threads}: decode {args.tokens} tokens after a {len(prompt)}-token "
@@ -360,7 +413,8 @@ def main() -> int:
         for name, q in ratios.items():
             print(f"{name}: decode x{q['decode_tokens_per_s']}, prefill "
                   f"x{q['prefill_tokens_per_s']}, RSS x{q['peak_rss_mb']}, file x{q['file_mb']}")
-    report = {"model": src.name, "source": str(src), "tq_folder": str(tq_folder),
+    report = {"model": src.name, "shape": args.shape, "source": str(src),
+              "tq_folders": {b: str(f) for b, f in tq.items()},
               "ggufs": {q: str(p) for q, p in ggufs.items()}, "llama_cpp_python": version,
               "new_tokens": args.tokens, "prompt_tokens": len(prompt),
               "prefill_tokens": len(long), "rounds": args.rounds, "cpu_count": os.cpu_count(),

@@ -87,9 +87,14 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
 @pytest.mark.parametrize(("n", "group"), [(576, 64), (200, 64)])  # 200: a partial last group
 @pytest.mark.parametrize("batch", [1, 3, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("gemm", [None, "fp32", "bf16"], ids=["gemv", "gemm32", "gemm16"])
+@pytest.mark.parametrize(("path", "gemm"), [("gemv", "fp32"), ("gemv", "bf16"),
+                                           ("gemm", "fp32"), ("gemm", "bf16")],
+                         ids=["gemv32", "gemv16", "gemm32", "gemm16"])
 def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch: int,
-                                  dtype: torch.dtype, gemm: str | None) -> None:
+                                  dtype: torch.dtype, path: str, gemm: str) -> None:
+    """Float32 products: the reference to float32 accumulation order. bf16 products (the
+    prefill GEMM, and the one-row GEMV of a 4-bit layer, bf16_gemv.h; float32 on a CPU
+    without them): within the bound of rounding both operands and the product to bf16."""
     _runs(isa)
     q = _quantized(bits, n, group)
     g = torch.Generator().manual_seed(batch + n)
@@ -98,13 +103,50 @@ def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch
     signs = _signs(n, 64)
     got = cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
                      q.outlier_val, bias, bits=bits, group_size=group, out_features=OUT,
-                     isa=isa, gemm_min_batch=0 if gemm is None else 1, gemm=gemm)
+                     isa=isa, gemm_min_batch=0 if path == "gemv" else 1, gemm=gemm)
     slack: torch.Tensor | float = 0.0
-    if gemm == "bf16":
+    if gemm == "bf16" and path == "gemv":
+        slack = _bf16_rounding(x, q, signs, 64)
+    elif gemm == "bf16":
         slack = _bf16_rounding(x, q, signs, 64)
         if dtype == torch.bfloat16:  # the bias goes inside the GEMM, as in bf16 F.linear
             slack = slack + 2.0**-8 * bias.abs()
     _check(got, _want(x, q, signs, 64, bias), dtype, slack)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("n", [576, 1536])
+def test_bf16_gemv_matches_an_emulation(bits: int, n: int) -> None:
+    """A decode step's 2-4-bit GEMV with bf16 products is the float32 sum of bf16(x_rot) times
+    the bf16-rounded levels, scaled per group, the outliers on the float32 x_rot: to float32
+    accumulation, which the float32 GEMV (off by up to 2^-9 of each product) is not."""
+    if not cpu.native_bf16_gemm():
+        pytest.skip("this CPU has no bf16 dot products: 'bf16' runs float32 products")
+    q = _quantized(bits, n, 64)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(1, n, generator=g)
+    bias = torch.randn(OUT, generator=g)
+    signs = _signs(n, 64)
+    got = cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
+                     q.outlier_val, bias, bits=bits, group_size=64, out_features=OUT,
+                     gemm_min_batch=0, gemm="bf16")
+    xr = cpu.rotate(x, signs, 64)
+    xb, cb = xr.bfloat16().double(), q.codebook.bfloat16().double()
+    y = reference.grouped_matmul(xb, q.codes, q.scales.double(), cb, bits=bits, group_size=64,
+                                 out_features=OUT, in_features=n)
+    want = reference.add_outliers(y, xr.double(), q.outlier_idx, q.outlier_val.double(), n)
+    want = want + bias.double()
+    w = reference.grouped_matmul(xb.abs(), q.codes, q.scales.double().abs(), cb.abs(), bits=bits,
+                                 group_size=64, out_features=OUT, in_features=n)
+    err = (got.double() - want).abs()
+    assert bool((err <= 1e-6 * w + 1e-6 * want.abs()).all()), float((err / w).max())
+    fp32 = cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
+                      q.outlier_val, bias, bits=bits, group_size=64, out_features=OUT,
+                      gemm_min_batch=0, gemm="fp32")
+    assert not bool(((fp32.double() - want).abs() <= 1e-6 * w + 1e-6 * want.abs()).all())
+    assert cpu.gemv_products(bits, 64, n) == "bf16"
+    assert [cpu.gemv_products(*a) for a in ((4, 64, 200), (8, 64, n), (4, 32, n), (4, 64, n, 2))
+            ] == ["fp32"] * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

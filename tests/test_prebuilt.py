@@ -38,13 +38,12 @@ print(json.dumps({"prebuilt": [b.prebuilt for b in built],
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, Path]:
-    """The three libraries as this machine compiles them (the cache's), to copy in."""
-    out = {}
-    for main in (cpu_build.MAIN, cpu_build.FIT, cpu_build.KV):
-        built = cpu_build.load(main)
-        assert built.path is not None, built.error
-        out[main] = built.path
-    return out
+    """The three libraries as this machine compiles them (the cache's), to copy in; not
+    loaded here (this process may hold a build of other sources)."""
+    cxx = cpu_build.compiler()
+    assert cxx is not None
+    return {main: cpu_build.compiled(main, cxx)
+            for main in (cpu_build.MAIN, cpu_build.FIT, cpu_build.KV)}
 
 
 def _folder(tmp: Path, compiled: dict[str, Path], **edits: object) -> Path:

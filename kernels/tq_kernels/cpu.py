@@ -11,7 +11,9 @@ activations' dtype: about twice the fp32 GEMM's rate, and the rounding is small 
 the 4-bit weight's own error (docs/decisions.md). `TQ_CPU_GEMM=fp32` keeps float32
 products for a process, `set_gemm_precision()` switches from Python, `gemm_precision()`
 says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap it.
-Decode-sized batches always take the float32 lookup-table GEMV.
+Decode-sized batches take the lookup-table GEMV in float32, except one activation row of
+a 2-4-bit layer on an AVX512-BF16 CPU, which takes bf16 products under the same switch
+(csrc/bf16_gemv.h, about 1.4x the float32 GEMV's rate; `gemv_products` says which).
 
 Variants are named by instruction set: "avx512", "avx2", "scalar". The best one the CPU
 supports is used; `TQ_CPU_ISA=avx2` (or `scalar`) caps it for a process, and tests pass
@@ -131,9 +133,20 @@ def native_bf16_gemm() -> bool:
 
 
 def gemm_precision() -> str:
-    """The product precision of the prefill path's GEMM now: "bf16" or "fp32"."""
+    """The product precision of the prefill path's GEMM now: "bf16" or "fp32" (and of the
+    one-row GEMV of the layers `gemv_products` names)."""
     _require()
     return "bf16" if _gemm_bf16() else "fp32"
+
+
+def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1) -> str:
+    """The product precision of a GEMV (below GEMM_MIN_BATCH rows) now: "bf16" for one
+    activation row of a 2-, 3- or 4-bit layer whose group size and width hold whole
+    64-code chunks, on the AVX-512 variant, while gemm_precision() is bf16
+    (csrc/bf16_gemv.h); "fp32" otherwise."""
+    fits = (batch == 1 and 2 <= bits <= 4 and group_size % 64 == 0 and in_features % 64 == 0
+            and kernel_isa(bits, group_size) == "avx512")
+    return "bf16" if fits and _gemm_bf16() else "fp32"
 
 
 def set_gemm_precision(precision: str | None) -> None:

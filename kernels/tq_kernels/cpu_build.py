@@ -239,18 +239,24 @@ def load(main: str = MAIN) -> Built:
         return built
 
 
+def compiled(main: str, cxx: str) -> Path:
+    """`main`'s library in the cache, compiled first if it is not there (not loaded)."""
+    target = cache_dir() / f"{Path(main).stem}-{build_key(cxx, main)}.so"
+    if not target.exists():
+        try:
+            _compile(cxx, target, main)
+        except OSError:  # an unwritable cache: build for this process only
+            target = Path(tempfile.mkdtemp(prefix="tq-kernels-")) / target.name
+            _compile(cxx, target, main)
+    return target
+
+
 def _load_compiled(main: str) -> Built:
     cxx = compiler()
     if cxx is None:
         return Built(None, "no C++ compiler found")
     try:
-        target = cache_dir() / f"{Path(main).stem}-{build_key(cxx, main)}.so"
-        if not target.exists():
-            try:
-                _compile(cxx, target, main)
-            except OSError:  # an unwritable cache: build for this process only
-                target = Path(tempfile.mkdtemp(prefix="tq-kernels-")) / target.name
-                _compile(cxx, target, main)
+        target = compiled(main, cxx)
         torch.ops.load_library(str(target))
     except Exception as e:  # a failed build must never stop a model from running
         return Built(None, str(e) or type(e).__name__)

@@ -123,13 +123,15 @@ def _backend_name(device: torch.device, bits: int) -> str:
     return "torch reference (dequantize+matmul)" if backend == "torch" else backend
 
 
-def _path(device: torch.device, batch: int) -> str:
-    """Which path a batch takes: the CPU kernel's lookup-table GEMV or its dequantize +
+def _path(device: torch.device, batch: int, bits: int, in_f: int) -> str:
+    """Which path a batch takes: the CPU kernel's lookup-table GEMV (float32, or bf16
+    products for one row of a 4-bit layer where the CPU has them) or its dequantize +
     GEMM (with its product precision); "-" off the CPU kernel."""
     if not dispatch.backend_for(device).startswith("cpu-"):
         return "-"
     if batch < cpu.GEMM_MIN_BATCH:
-        return "LUT GEMV"
+        bf16 = cpu.gemv_products(bits, GROUP, in_f, batch) == "bf16"
+        return "GEMV bf16" if bf16 else "LUT GEMV"
     return f"GEMM {cpu.gemm_precision()}"
 
 
@@ -170,7 +172,7 @@ def _shape_rows(out_f: int, in_f: int, bits: int, batches: list[int], device: to
         layer = t_layer if fused else t_mm + t_rot
         row: dict[str, Any] = {
             "shape": f"{out_f}x{in_f}", "out": out_f, "in": in_f, "batch": m, "bits": bits,
-            "backend": _backend_name(device, bits), "path": _path(device, m),
+            "backend": _backend_name(device, bits), "path": _path(device, m, bits, in_f),
             "tq_matmul_us": t_mm, "tq_rotate_us": t_rot, "tq_layer_us": t_layer,
             "torch_linear_us": t_ref, "torch_bf16_us": t_bf16,
             "torch_dtype": str(dtype).removeprefix("torch."),

@@ -23,6 +23,10 @@ LLAMA_3_8B_SMOL = {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads":
                    "kv_heads": 8, "vocab": 49152}
 LLAMA_3_70B_SMOL = {"hidden": 8192, "intermediate": 28672, "layers": 80, "heads": 64,
                     "kv_heads": 8, "vocab": 49152}
+# Qwen2.5-0.5B's shapes (its tied 151,936-entry vocabulary, 14 query heads over 2 KV heads
+# of 64) as a Llama folder: no q/k/v bias, and SmolLM2's tokenizer, whose ids fit.
+QWEN25_05B_SMOL = {"hidden": 896, "intermediate": 4864, "layers": 24, "heads": 14,
+                   "kv_heads": 2, "vocab": 151936}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 

@@ -11,9 +11,10 @@
 // weight once, parallel over output rows on torch's own OpenMP pool (so it never fights
 // torch's spinning threads); from gemm_min_batch rows on it dequantizes row blocks into a
 // reused buffer and calls torch's GEMM, in float32 or (bf16_gemm, on CPUs with native
-// bf16 dot products) in bfloat16 with float32 accumulation. The SIMD variant is picked at
-// run time with __builtin_cpu_supports, so a cached build never executes an instruction
-// the CPU lacks.
+// bf16 dot products) in bfloat16 with float32 accumulation; with bf16_gemm on such a CPU
+// a one-row GEMV of a 2-4-bit layer takes bf16 products too (bf16_gemv.h). The SIMD variant
+// is picked at run time with __builtin_cpu_supports, so a cached build never executes an
+// instruction the CPU lacks.
 // Compiled once per torch version and source by tq_kernels/cpu_build.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,6 +36,7 @@
 #include "avx2.h"
 #include "attention_avx512.h"
 #include "avx512.h"
+#include "bf16_gemv.h"
 #include "common.h"
 #include "scalar.h"
 #include "shared_hadamard.h"
@@ -272,6 +274,17 @@ void store(const float* y, at::Tensor& dst) {
 #include "prep_cache.inc"
 #include "layer.inc"
 
+// Whether a GEMV runs with bf16 products (bf16_gemv.h): one activation row, a layer it
+// fits, the AVX-512 variant, bf16 products asked for and native on this CPU.
+bool bf16_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
+#ifdef TQ_BF16_GEMV
+  return M == 1 && bf16 && l.eisa == kAvx512 && bf16_products() && bf16gemv::fits(P);
+#else
+  (void)P, (void)l, (void)M, (void)bf16;
+  return false;
+#endif
+}
+
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, int64_t block,
                   const at::Tensor& codes_in, const at::Tensor& scales_in,
                   const at::Tensor& codebook_in, const at::Tensor& outlier_idx_in,
@@ -315,6 +328,19 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
         for (int64_t m = m0; m < m1; ++m)
           for (int64_t r = 0; r < out; ++r) y[m * out + r] += bp[r];
       });
+  } else if (bf16_gemv(P, l, M, bf16_gemm)) {
+#ifdef TQ_BF16_GEMV
+    // this thread's buffer, read by every thread of the loop below through xbp (a
+    // thread_local named inside the lambda would be each worker's own, empty one)
+    static thread_local std::vector<uint16_t> xb;
+    if (xb.size() < static_cast<size_t>(n)) xb.resize(n);
+    uint16_t* const xbp = xb.data();
+    bf16gemv::layout(P, xr, xbp);
+    at::parallel_for(0, out, row_grain(n, M), [&](int64_t r0, int64_t r1) {
+      bf16gemv::rows(P, xbp, r0, r1);
+      epilogue(P, xr, o, bp, r0, r1);
+    });
+#endif
   } else {
     at::parallel_for(0, out, row_grain(n, M), [&](int64_t r0, int64_t r1) {
       l.kern.gemv(P, r0, r1);
