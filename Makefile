@@ -78,6 +78,7 @@ bench-quick: install
 # The platform wheel: tq with its CPU kernels compiled in (setup.py, tq_kernels/prebuild.py),
 # built against .venv's torch (no build isolation), into dist/.
 wheel: install
+	rm -rf build
 	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
 
 wheel-check:

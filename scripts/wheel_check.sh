@@ -26,6 +26,7 @@ step "build the platform wheel (no build isolation: against the torch it targets
 python3 -m venv "$work/build-venv"
 torch_into "$work/build-venv/bin/python"
 "$work/build-venv/bin/python" -m pip install -q "setuptools>=68" wheel
+rm -rf "$repo/build"  # setuptools builds in the tree: no module deleted since may ride along
 "$work/build-venv/bin/python" -m pip wheel -q --no-build-isolation --no-deps \
   -w "$work/dist" "$repo" >/dev/null
 wheel="$(ls "$work"/dist/tq-*.whl)"

@@ -101,9 +101,10 @@ def test_the_operator_traces_with_its_shape_only_implementation(llama_tq: Path) 
     assert torch.equal(torch.compile(layer, backend="eager")(x), layer(x))
 
 
-def test_guards_skipped_only_for_packed_tensor_checks() -> None:
-    """The decode step's guard filter drops dynamo's tensor checks on the packed buffers
-    tq's operator checks itself, and nothing else (column scales feed a traced kernel)."""
+def test_guards_skipped_only_for_module_tensor_checks() -> None:
+    """The decode step's guard filter drops dynamo's tensor checks on the modules'
+    parameters and buffers (the fingerprint compares them once per generate() call) and
+    nothing else: type checks, and the inputs' and cache's tensors, stay."""
     from types import SimpleNamespace
 
     layer = "args[0]._modules['model']._modules['layers']._modules['3']._modules['mlp']"
@@ -120,10 +121,34 @@ def test_guards_skipped_only_for_packed_tensor_checks() -> None:
         ("TENSOR_MATCH", f"{layer}._modules['up_proj']._buffers['codes_extra']"),
         ("TENSOR_MATCH", f"{layer}._parameters['weight']"),
     ]]
-    assert compiled.skip_packed_tensor_guards(entries) == [False] * 4 + [True] * 7
+    assert compiled.skip_module_tensor_guards(entries) == [False] * 5 + [True] * 4 + [False] * 2
     options = compiled.compile_options()
-    assert options.get("guard_filter_fn", compiled.skip_packed_tensor_guards) is (
-        compiled.skip_packed_tensor_guards)
+    assert options.get("guard_filter_fn", compiled.skip_module_tensor_guards) is (
+        compiled.skip_module_tensor_guards)
+
+
+def test_a_parameter_replaced_after_compiling_is_honoured(
+        llama_tq: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """dynamo no longer checks the modules' tensors before every step: a parameter
+    replaced between generate() calls by one with other strides (which a compiled kernel,
+    traced for contiguous memory, would misread) changes the fingerprint, so that call
+    runs eagerly and gives the eager model's tokens."""
+    model = tq_cli.load(llama_tq, device="cpu", compile=True)
+    eager = tq_cli.load(llama_tq, device="cpu", compile=False)
+    kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    with torch.no_grad():
+        first = model.generate(IDS, **kw)
+        for m in (model, eager):
+            norm = m.model.norm
+            spread = torch.zeros(norm.weight.shape[0], 2)
+            spread[:, 0] = norm.weight.detach() * torch.linspace(0.2, 3, norm.weight.shape[0])
+            norm.weight = torch.nn.Parameter(spread[:, 0], requires_grad=False)  # stride 2
+        with caplog.at_level(logging.INFO, logger="tq"):
+            got = model.generate(IDS, **kw)
+        want = eager.generate(IDS, **kw)
+    assert any("runs eagerly: the model changed after its decode step compiled" in
+               r.getMessage() for r in caplog.records)
+    assert torch.equal(got, want) and not torch.equal(got, first)
 
 
 def test_repeated_steps_skip_guards_only_between_like_steps() -> None:

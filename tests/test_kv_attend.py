@@ -21,11 +21,24 @@ def _model(kind: str = "llama", head_dim: int = 32, heads: int = 4, kv_heads: in
            layers: int = 2, partial: float | None = None) -> Any:
     import transformers as T
 
-    cfg_cls, model_cls = {"llama": (T.LlamaConfig, T.LlamaForCausalLM),
-                          "mistral": (T.MistralConfig, T.MistralForCausalLM),
-                          "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
-                          "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM)}[kind]
-    extra: dict[str, Any] = {}
+    cfg_cls, model_cls, extra = {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": None}),
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {}),
+        "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {"pad_token_id": 0}),
+        "gemma": (T.GemmaConfig, T.GemmaForCausalLM, {}),
+        "granite": (T.GraniteConfig, T.GraniteForCausalLM, {}),
+        "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
+        "stablelm": (T.StableLmConfig, T.StableLmForCausalLM, {}),
+        "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM, {}),
+        "cohere": (T.CohereConfig, T.CohereForCausalLM, {}),
+        "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, {"num_local_experts": 4}),
+        "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM,
+                      {"num_experts": 4, "moe_intermediate_size": 32,
+                       "shared_expert_intermediate_size": 32}),
+    }[kind]
+    extra = {**extra, "bos_token_id": None, "eos_token_id": None}
     if partial is not None:
         extra["partial_rotary_factor"] = partial
     cfg = cfg_cls(vocab_size=200, hidden_size=heads * head_dim, intermediate_size=96,
@@ -124,11 +137,20 @@ def test_left_padding_and_batches(batch: int) -> None:
     _close(*_both(model, ids, mask=mask, bits=3.5, window=8))
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "phi3", "gemma", "granite",
+                                  "olmo2", "stablelm", "starcoder2", "cohere", "mixtral",
+                                  "qwen2_moe"])
 def test_other_families(kind: str) -> None:
+    """Every family that runs sdpa and hands attention the cache's keys as they are
+    attends on the codes (each layer's probe met), with the decoding path's logits."""
     model = _model(kind)
     ids = torch.randint(0, 200, (1, 64), generator=torch.Generator().manual_seed(4))
-    _close(*_both(model, ids, bits=3.5, window=8))
+    ref, fed = _decode(model, tq_cli.kv_cache(model, code_attention=False, bits=3.5,
+                                              window=8), ids, 6)
+    cache = tq_cli.kv_cache(model, code_attention=True, bits=3.5, window=8)
+    got = _decode(model, cache, ids, 6, fed=fed)[0]
+    assert [layer.probe.state for layer in cache.layers] == ["seen", "seen"]
+    _close(ref, got)
 
 
 def test_partial_rotary_keys() -> None:
@@ -166,20 +188,49 @@ def test_mean_scores_is_the_turned_mean() -> None:
     assert torch.allclose(got, want, atol=2e-3 * float(want.abs().max()), rtol=0)
 
 
-def test_models_it_cannot_serve_decode_first(caplog: pytest.LogCaptureFixture) -> None:
-    import transformers as T
+def test_a_module_that_changes_the_keys_decodes_first(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A family whose attention module hands attention a copy of the cache's keys (here
+    every module, through a wrapped attention function) would attend on the window alone:
+    each layer's probe is not met, so it decodes first, with the decoding path's logits."""
+    from transformers import AttentionInterface
 
-    cfg = T.Phi3Config(vocab_size=200, hidden_size=64, intermediate_size=96,
-                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                       pad_token_id=0)
-    model = T.Phi3ForCausalLM(cfg).eval()
-    with caplog.at_level(logging.INFO, logger="tq"):
-        cache = tq_cli.kv_cache(model, bits=3.5)
-    assert not cache.code_attention
-    assert model.config._attn_implementation != attend.NAME
-    assert "model type 'phi3' is not one tq attends on the codes for" in caplog.text
-    with pytest.raises(UnsupportedError, match="code_attention: model type 'phi3'"):
-        tq_cli.kv_cache(model, bits=3.5, code_attention=True)
+    real = attend.attention
+
+    def copying(module: Any, query: torch.Tensor, key: torch.Tensor, *a: Any,
+                **kw: Any) -> Any:
+        return real(module, query, key.clone(), *a, **kw)
+
+    monkeypatch.setattr(attend, "attention", copying)  # what register() installs
+    monkeypatch.setattr(attend, "_said", set())
+    model = _model()
+    ids = torch.randint(0, 200, (1, 64), generator=torch.Generator().manual_seed(4))
+    try:
+        with caplog.at_level(logging.INFO, logger="tq"):
+            ref, fed = _decode(model, tq_cli.kv_cache(model, code_attention=False, bits=3.5,
+                                                      window=8), ids, 4)
+            cache = tq_cli.kv_cache(model, code_attention=True, bits=3.5, window=8)
+            got = _decode(model, cache, ids, 4, fed=fed)[0]
+    finally:
+        AttentionInterface.register(attend.NAME, real)
+    assert [layer.probe.state for layer in cache.layers] == ["refused", "refused"]
+    assert torch.equal(ref, got)
+    assert "changes the cache's keys before the attention function" in caplog.text
+
+
+def test_attention_arguments_it_does_not_read_refuse_the_codes() -> None:
+    """Sinks passed to attention (gpt-oss's s_aux), a sliding window or attention weights
+    asked for: tq's attention would ignore them, so the layer keeps decoding first."""
+    for kwargs, state in (({"s_aux": torch.zeros(2)}, "refused"),
+                          ({"sliding_window": 128}, "refused"),
+                          ({"output_attentions": True}, "refused"),
+                          ({"sliding_window": None, "softcap": 50.0, "position_ids": 3}, "seen")):
+        probe = attend.KeysProbe()
+        assert probe.pending() and probe.state == "offered"
+        probe.met(kwargs)
+        assert probe.state == state, kwargs
+        assert not probe.pending()  # settled
+        assert probe.state == state
 
 
 def test_an_eager_model_keeps_the_decoding_path() -> None:

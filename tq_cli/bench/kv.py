@@ -38,14 +38,28 @@ QUICK_CONTEXTS = (2048, 8192)
 DECODE = {"quick": (2, (512,), 8), "full": (LAYERS, CONTEXTS, 16)}  # layers, ctx, steps
 
 
-def _config(layers: int, context: int) -> Any:
-    from transformers import LlamaConfig
+# Families the decode table can be built in (SmolLM2's shapes either way): Llama, and
+# Phi-3 (fused q/k/v and gate/up projections, its own attention module).
+FAMILIES = ("llama", "phi3")
 
-    return LlamaConfig(vocab_size=49152, hidden_size=HIDDEN, intermediate_size=FFN,
-                       num_hidden_layers=layers, num_attention_heads=HEADS,
-                       num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                       max_position_embeddings=max(context + 64, 2048),
-                       tie_word_embeddings=True)
+
+def _config(layers: int, context: int, family: str = "llama") -> Any:
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "phi3": transformers.Phi3Config}[family]
+    return cls(vocab_size=49152, hidden_size=HIDDEN, intermediate_size=FFN,
+               num_hidden_layers=layers, num_attention_heads=HEADS,
+               num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+               max_position_embeddings=max(context + 64, 2048), tie_word_embeddings=True,
+               pad_token_id=0, bos_token_id=None, eos_token_id=None)
+
+
+def _model(config: Any) -> Any:
+    import transformers
+
+    cls = {"llama": transformers.LlamaForCausalLM,
+           "phi3": transformers.Phi3ForCausalLM}[config.model_type]
+    return cls(config)
 
 
 def memory_row(context: int, bits: float, device: torch.device) -> dict[str, Any]:
@@ -164,10 +178,10 @@ def _decode_times(model: Any, context: int, steps: int, device: torch.device,
 
 
 def decode_rows(device: torch.device, quick: bool,
-                progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    from transformers import LlamaForCausalLM
-
-    layers, contexts, steps = DECODE["quick" if quick else "full"]
+                progress: Callable[[str], None] | None = None, family: str = "llama",
+                contexts: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+    layers, all_contexts, steps = DECODE["quick" if quick else "full"]
+    contexts = contexts or all_contexts
     # what a large copy moves here (CPU), or the device's theoretical peak (CUDA)
     bandwidth = ((memory_bandwidth_gb_s(device) or 0.0) if device.type == "cuda"
                  else cpu_copy_bandwidth_gb_s())
@@ -176,11 +190,12 @@ def decode_rows(device: torch.device, quick: bool,
         if progress:
             progress(f"kv decode: {context} tokens, {layers} layers, {steps} steps")
         torch.manual_seed(0)
-        model: Any = LlamaForCausalLM(_config(layers, context))
+        model: Any = _model(_config(layers, context, family))
         model = model.to(device).eval()
         labels, med, nbytes = _decode_times(model, context, steps, device)
         for label, us, nb in zip(labels, med, nbytes, strict=True):
-            rows.append({"table": "decode", "context": context, "layers": layers,
+            rows.append({"table": "decode", "family": family, "context": context,
+                         "layers": layers,
                          "cache": label, "ms_per_token": us / 1e3,
                          "vs_dynamic": us / med[0], "overhead": us / med[0] - 1,
                          "cache_bytes_per_step": nb,

@@ -93,8 +93,9 @@ def main(
     kv_chunk: int = typer.Option(32, "--kv-chunk", help="Tokens per scoring forward."),
     kv_attention: str = typer.Option("codes", "--kv-attention", help="codes: forwards of up "
                                      "to 8 tokens attend on the coded past where the model "
-                                     "supports it (Llama, Mistral, Qwen2/3) | decode: every "
-                                     "coded token decoded first (the reference)."),
+                                     "runs sdpa and hands attention the cache's keys as "
+                                     "they are (checked per layer) | decode: every coded "
+                                     "token decoded first (the reference)."),
     kv_compare: str = typer.Option("", "--kv-compare", help="Also transformers' QuantizedCache"
                                    " at the integer --kv-bits: quanto,hqq."),
     needle: bool = typer.Option(False, "--needle", help="Passkey retrieval (greedy, exact "

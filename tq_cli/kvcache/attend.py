@@ -231,6 +231,66 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, coded: C
         .transpose(1, 2).to(query.dtype).contiguous()
 
 
+# What tq's attention reads besides q, k, v, the mask and the scale; a forward that passes
+# anything else with a value (sinks as `s_aux`, a sliding window, ...) keeps the decoding
+# path.
+_READ_KWARGS = frozenset({"softcap", "dropout", "position_ids", "cache_position", "is_causal",
+                          "output_attentions", "use_cache"})
+
+
+_said: set[str] = set()
+
+
+def _say(message: str) -> None:
+    """Log `message` once per process (every layer of a model refuses for one reason)."""
+    if message not in _said:
+        _said.add(message)
+        import logging
+
+        logging.getLogger("tq").info(message)
+
+
+class KeysProbe:
+    """Whether a model's attention module hands the keys the cache returned to the
+    attention function unchanged, and passes nothing tq's attention ignores: the condition
+    for attending on the codes, whatever the family (a module that copied, cast or
+    repeated the keys in between would attend on the window alone).
+
+    A layer not yet "seen" returns every token decoded (a correct forward either way) with
+    this probe on the keys; tq's attention function marks it "seen" when the keys reach
+    it as they were, "refused" when other arguments would be ignored. A probe offered and
+    not met by the layer's next update stays "refused": that layer decodes first, as
+    before, and one log line says so."""
+
+    def __init__(self) -> None:
+        self.state = "new"  # new -> offered -> seen | refused
+
+    def pending(self) -> bool:
+        """Offer the probe on this update's keys, unless settled; a probe offered last
+        time and never met is refused here."""
+        if self.state == "offered":
+            self.state = "refused"
+            _say("tq: KV cache: this model's attention module changes the cache's keys before "
+                 "the attention function; it decodes coded tokens first")
+        elif self.state == "new":
+            self.state = "offered"
+        return self.state == "offered"
+
+    def met(self, kwargs: dict[str, Any]) -> None:
+        if self.state != "offered":
+            return
+        # None and False are what a family passes for what it does not use (Mixtral's
+        # output_router_logits=False)
+        extra = sorted(k for k, v in kwargs.items()
+                       if k not in _READ_KWARGS and v is not None and v is not False)
+        if kwargs.get("output_attentions"):
+            extra.append("output_attentions")
+        self.state = "refused" if extra else "seen"
+        if extra:
+            _say(f"tq: KV cache: attention gets {', '.join(extra)}, which attention on the "
+                 "codes does not read; it decodes coded tokens first")
+
+
 def _fallback(module: Any) -> Any:
     """The model's own attention: sdpa (tq's is only set on sdpa models, whose masks it
     builds with sdpa's mask function)."""
@@ -244,6 +304,9 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
               scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: code-domain attention for a decode step
     the cache prepared, the model's own attention otherwise."""
+    probe = getattr(key, "tq_probe", None)
+    if isinstance(probe, KeysProbe):
+        probe.met(kwargs)
     coded = getattr(key, "tq_coded", None)
     if not isinstance(coded, CodedKV):
         return _fallback(module)(module, query, key, value, attention_mask, dropout=dropout,
@@ -263,5 +326,5 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-__all__ = ["COMPILED_SDPA", "NAME", "CodedKV", "CodedStream", "attend", "attention", "coded_scores",
-           "coded_values", "mean_scores", "register"]
+__all__ = ["COMPILED_SDPA", "NAME", "CodedKV", "CodedStream", "KeysProbe", "attend", "attention",
+           "coded_scores", "coded_values", "mean_scores", "register"]

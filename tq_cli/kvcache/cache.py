@@ -183,20 +183,13 @@ def _checked(name: str, kind: Any, value: Any, strict: bool) -> Any:
         raise ValueError(f"{name}: {first_error(e)[1]}") from None
 
 
-# Model types whose attention modules hand the cache's keys to the attention function
-# untouched (checked by tests/test_kv_attend.py): the only ones that attend on the codes.
-CODE_ATTENTION_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
 def code_attention_because(model: Any) -> str | None:
-    """Why `model` cannot attend on the codes (None: it can)."""
+    """Why `model` cannot attend on the codes (None: it can, any family that runs sdpa:
+    each layer checks on its first forward that the keys reach tq's attention function as
+    the cache returned them, `kvcache.attend.KeysProbe`, and decodes first where not)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         return "given a config, not a model"
-    kind = getattr(config, "model_type", None)
-    if kind not in CODE_ATTENTION_TYPES:
-        return (f"model type '{kind}' is not one tq attends on the codes for "
-                f"({', '.join(CODE_ATTENTION_TYPES)})")
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ("sdpa", NAME, COMPILED_SDPA):
         # tq's builds sdpa's masks: an eager model would get masks it does not read

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import BaseQuantizedLayer, DynamicSlidingWindowLayer
 
-from tq_cli.kvcache.attend import CodedKV, CodedStream
+from tq_cli.kvcache.attend import CodedKV, CodedStream, KeysProbe
 from tq_cli.kvcache.codec import Encoded, StreamCodec
 from tq_cli.kvcache.rope import RotaryAngles
 from tq_cli.kvcache.spec import KVSpec
@@ -276,6 +276,10 @@ class TurboQuantLayer(BaseQuantizedLayer):
         super().__init__()
         self.spec, self.bank, self.measure_error = spec, bank, measure_error
         self.code_attention = code_attention
+        # Whether this model's attention module hands the returned keys to tq's attention
+        # function as they are (`kvcache.attend.KeysProbe`): until one forward shows it,
+        # the layer returns every token decoded, with a probe on the keys.
+        self.probe = KeysProbe()
         self.rope = rope  # the layer's RoPE angles, when keys are centered before RoPE
         self.n_sinks = spec.sinks
         self.streams: tuple[_Stream, _Stream] | None = None
@@ -313,8 +317,9 @@ class TurboQuantLayer(BaseQuantizedLayer):
         k, v = self.streams
         self.cumulative_length += key_states.shape[-2]
         coded = None
-        if (self.code_attention and not self.is_sliding and k.store.length
-                and key_states.shape[-2] <= self.CODE_MAX_NEW
+        probing = self.code_attention and self.probe.pending()
+        if (self.code_attention and self.probe.state == "seen" and not self.is_sliding
+                and k.store.length and key_states.shape[-2] <= self.CODE_MAX_NEW
                 and isinstance(k.codec, StreamCodec) and isinstance(v.codec, StreamCodec)):
             # Attention on the codes (`kvcache.attend`): the coded tokens stay codes; the
             # attention function finds them on the returned keys.
@@ -330,6 +335,8 @@ class TurboQuantLayer(BaseQuantizedLayer):
         self._mirror()
         if coded is not None:
             keys.tq_coded = coded  # type: ignore[attr-defined]
+        elif probing:
+            keys.tq_probe = self.probe  # type: ignore[attr-defined]
         return keys, values
 
     def _after_admit(self) -> None:
