@@ -226,10 +226,11 @@ def test_attention_arguments_it_does_not_read_refuse_the_codes() -> None:
                           ({"output_attentions": True}, "refused"),
                           ({"sliding_window": None, "softcap": 50.0, "position_ids": 3}, "seen")):
         probe = attend.KeysProbe()
-        assert probe.pending() and probe.state == "offered"
+        assert probe.offer() and probe.offer() and probe.state == "offered"  # offered again
         probe.met(kwargs)
         assert probe.state == state, kwargs
-        assert not probe.pending()  # settled
+        assert not probe.offer()  # settled
+        probe.missed()
         assert probe.state == state
 
 
@@ -245,3 +246,26 @@ def test_an_eager_model_keeps_the_decoding_path() -> None:
     assert not cache.code_attention and model.config._attn_implementation == "eager"
     with pytest.raises(UnsupportedError, match="'eager' \\(tq's stands in for sdpa only\\)"):
         tq_cli.kv_cache(model, bits=3.5, code_attention=True)
+
+
+def test_a_cache_filled_outside_a_forward_attends_on_the_codes() -> None:
+    """Updates with no attention after them (a cache filled directly, as `tq bench` does)
+    only offer the probe again; the first decode step meets it and the next ones attend
+    on the codes, with the decoding path's logits."""
+    from transformers import DynamicCache
+
+    from tq_cli.kvcache.cache import fill_from
+
+    model = _model()
+    ids = torch.randint(0, 200, (1, 80), generator=torch.Generator().manual_seed(5))
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=full, use_cache=True)
+    step = ids[:, -1:]
+    ref, fed = _decode(model, fill_from(tq_cli.kv_cache(model, code_attention=False,
+                                                        bits=3.5, window=8), full), step, 4)
+    cache = fill_from(tq_cli.kv_cache(model, code_attention=True, bits=3.5, window=8), full)
+    assert [layer.probe.state for layer in cache.layers] == ["offered", "offered"]
+    got = _decode(model, cache, step, 4, fed=fed)[0]
+    assert [layer.probe.state for layer in cache.layers] == ["seen", "seen"]
+    _close(ref, got)

@@ -257,24 +257,23 @@ class KeysProbe:
     repeated the keys in between would attend on the window alone).
 
     A layer not yet "seen" returns every token decoded (a correct forward either way) with
-    this probe on the keys; tq's attention function marks it "seen" when the keys reach
-    it as they were, "refused" when other arguments would be ignored. A probe offered and
-    not met by the layer's next update stays "refused": that layer decodes first, as
-    before, and one log line says so."""
+    this probe on the keys (`offer`). tq's attention function marks it "seen" when the
+    keys reach it as they were, "refused" when other arguments would be ignored, and also
+    "refused" when it is called with keys that lost the probe the layer just offered (the
+    module changed them): that layer then decodes first for good, and one log line says
+    so. An update outside a forward (a cache filled directly) only offers it again."""
 
     def __init__(self) -> None:
         self.state = "new"  # new -> offered -> seen | refused
 
-    def pending(self) -> bool:
-        """Offer the probe on this update's keys, unless settled; a probe offered last
-        time and never met is refused here."""
-        if self.state == "offered":
-            self.state = "refused"
-            _say("tq: KV cache: this model's attention module changes the cache's keys before "
-                 "the attention function; it decodes coded tokens first")
-        elif self.state == "new":
+    def offer(self) -> bool:
+        """Whether this update's keys carry the probe (not yet settled); the next call of
+        tq's attention function on this thread is taken to be this layer's."""
+        if self.state in ("new", "offered"):
             self.state = "offered"
-        return self.state == "offered"
+            _offered.probe = self
+            return True
+        return False
 
     def met(self, kwargs: dict[str, Any]) -> None:
         if self.state != "offered":
@@ -289,6 +288,15 @@ class KeysProbe:
         if extra:
             _say(f"tq: KV cache: attention gets {', '.join(extra)}, which attention on the "
                  "codes does not read; it decodes coded tokens first")
+
+    def missed(self) -> None:
+        if self.state == "offered":
+            self.state = "refused"
+            _say("tq: KV cache: this model's attention module changes the cache's keys before "
+                 "the attention function; it decodes coded tokens first")
+
+
+_offered = threading.local()  # the probe the last update on this thread offered
 
 
 def _fallback(module: Any) -> Any:
@@ -305,8 +313,11 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     """transformers' attention-function signature: code-domain attention for a decode step
     the cache prepared, the model's own attention otherwise."""
     probe = getattr(key, "tq_probe", None)
+    offered, _offered.probe = getattr(_offered, "probe", None), None
     if isinstance(probe, KeysProbe):
         probe.met(kwargs)
+    elif isinstance(offered, KeysProbe):  # the layer's keys lost the probe on the way
+        offered.missed()
     coded = getattr(key, "tq_coded", None)
     if not isinstance(coded, CodedKV):
         return _fallback(module)(module, query, key, value, attention_mask, dropout=dropout,

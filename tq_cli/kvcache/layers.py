@@ -317,7 +317,6 @@ class TurboQuantLayer(BaseQuantizedLayer):
         k, v = self.streams
         self.cumulative_length += key_states.shape[-2]
         coded = None
-        probing = self.code_attention and self.probe.pending()
         if (self.code_attention and self.probe.state == "seen" and not self.is_sliding
                 and k.store.length and key_states.shape[-2] <= self.CODE_MAX_NEW
                 and isinstance(k.codec, StreamCodec) and isinstance(v.codec, StreamCodec)):
@@ -335,7 +334,7 @@ class TurboQuantLayer(BaseQuantizedLayer):
         self._mirror()
         if coded is not None:
             keys.tq_coded = coded  # type: ignore[attr-defined]
-        elif probing:
+        elif self.code_attention and self.probe.offer():
             keys.tq_probe = self.probe  # type: ignore[attr-defined]
         return keys, values
 
