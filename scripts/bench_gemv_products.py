@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    cpu.set_gemm_precision("bf16")  # so gemv_products() names what the bf16 column ran
     rows = []
     for out, n in SHAPES:
         w = torch.randn(out, n, generator=torch.Generator().manual_seed(out + n))

@@ -362,14 +362,14 @@ def main() -> int:
     fast = args.shape != "smollm2"
     tq = {b: (args.tq_folder if args.tq_folder and b == 4 else ensure_tq(src, work, b, fast))
           for b in (int(b) for b in args.bits.split(","))}
-    tq_folder = tq[min(tq, key=lambda b: abs(b - 4))]
+    tq_folder = tq.get(4)  # the 4-bit checkpoint, for the head-8 variant
     tok = AutoTokenizer.from_pretrained(src)
     prompt = tok(PROMPT).input_ids
     long = tok(evaluation_text().text).input_ids[:args.prefill]
     # A checkpoint that stores its head quantized (tq convert's default) runs it as stored;
     # one that keeps it is also run with the head quantized as it loads.
     stored_head = json.loads((Path(tq_folder) / "config.json").read_text())[
-        "quantization_config"].get("head_bits")
+        "quantization_config"].get("head_bits") if tq_folder else True
     mine = [f"tq {b}-bit" for b in tq] + ([] if stored_head else ["tq 4-bit, head 8"])
     engines = {**{f"tq {b}-bit": (sys.executable, "tq", f) for b, f in tq.items()},
                **({} if stored_head else

@@ -385,3 +385,17 @@ def test_a_number_a_forward_turns_into_a_tensor_is_not_a_change() -> None:
     m.scaling = 0.5
     m.register_forward_hook(lambda *a: None)
     assert compiled.changed(first, compiled.fingerprint(m))
+
+
+def test_no_compiler_for_inductor_keeps_the_eager_step(llama_tq: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prebuilt wheel runs tq's kernels with no C++ compiler, but inductor needs one for
+    the compiled step: generate() then decodes eagerly instead of failing."""
+    from tq_kernels import cpu_build
+
+    model = tq_cli.load(llama_tq, device="cpu", compile=False)
+    assert compiled.why_not_compiled(model) is None
+    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
+    assert compiled.why_not_compiled(model) == (
+        "no C++ compiler for inductor (tq's kernels came prebuilt); install g++ or set CXX "
+        "for the compiled step")

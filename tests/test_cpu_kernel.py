@@ -93,7 +93,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
 def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch: int,
                                   dtype: torch.dtype, path: str, gemm: str) -> None:
     """Float32 products: the reference to float32 accumulation order. bf16 products (the
-    prefill GEMM, and the one-row GEMV of a 4-bit layer, bf16_gemv.h; float32 on a CPU
+    prefill GEMM, and the one-row GEMV of a 2-4-bit layer, bf16_gemv.h; float32 on a CPU
     without them): within the bound of rounding both operands and the product to bf16."""
     _runs(isa)
     q = _quantized(bits, n, group)

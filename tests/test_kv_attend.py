@@ -269,3 +269,24 @@ def test_a_cache_filled_outside_a_forward_attends_on_the_codes() -> None:
     got = _decode(model, cache, step, 4, fed=fed)[0]
     assert [layer.probe.state for layer in cache.layers] == ["seen", "seen"]
     _close(ref, got)
+
+
+def test_a_probe_left_offered_is_not_refused_by_another_cache() -> None:
+    """A cache filled directly leaves its last layer's probe offered; a forward through
+    another cache, whose probes are settled, never refuses it."""
+    from transformers import DynamicCache
+
+    from tq_cli.kvcache.cache import fill_from
+
+    model = _model()
+    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(6))
+    full = DynamicCache(config=model.config)
+    settled = tq_cli.kv_cache(model, code_attention=True, bits=3.5, window=8)
+    with torch.no_grad():
+        model(ids, cache=full, use_cache=True)
+        model(ids, cache=settled, use_cache=True)
+        assert [layer.probe.state for layer in settled.layers] == ["seen", "seen"]
+        filled = fill_from(tq_cli.kv_cache(model, code_attention=True, bits=3.5, window=8),
+                           full)
+        model(ids[:, -1:], cache=settled, use_cache=True)
+    assert [layer.probe.state for layer in filled.layers] == ["offered", "offered"]

@@ -13,7 +13,7 @@ products for a process, `set_gemm_precision()` switches from Python, `gemm_preci
 says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap it.
 Decode-sized batches take the lookup-table GEMV in float32, except one activation row of
 a 2-4-bit layer on an AVX512-BF16 CPU, which takes bf16 products under the same switch
-(csrc/bf16_gemv.h, about 1.4x the float32 GEMV's rate; `gemv_products` says which).
+(csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate; `gemv_products` says which).
 
 Variants are named by instruction set: "avx512", "avx2", "scalar". The best one the CPU
 supports is used; `TQ_CPU_ISA=avx2` (or `scalar`) caps it for a process, and tests pass

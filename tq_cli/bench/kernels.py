@@ -125,7 +125,7 @@ def _backend_name(device: torch.device, bits: int) -> str:
 
 def _path(device: torch.device, batch: int, bits: int, in_f: int) -> str:
     """Which path a batch takes: the CPU kernel's lookup-table GEMV (float32, or bf16
-    products for one row of a 4-bit layer where the CPU has them) or its dequantize +
+    products for one row of a 2-4-bit layer where the CPU has them) or its dequantize +
     GEMM (with its product precision); "-" off the CPU kernel."""
     if not dispatch.backend_for(device).startswith("cpu-"):
         return "-"

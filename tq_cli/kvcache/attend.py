@@ -263,8 +263,9 @@ class KeysProbe:
     module changed them): that layer then decodes first for good, and one log line says
     so. An update outside a forward (a cache filled directly) only offers it again."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer: int | None = None) -> None:
         self.state = "new"  # new -> offered -> seen | refused
+        self.layer = layer  # the model layer (its attention module's layer_idx)
 
     def offer(self) -> bool:
         """Whether this update's keys carry the probe (not yet settled); the next call of
@@ -273,6 +274,7 @@ class KeysProbe:
             self.state = "offered"
             _offered.probe = self
             return True
+        withdraw()
         return False
 
     def met(self, kwargs: dict[str, Any]) -> None:
@@ -299,6 +301,11 @@ class KeysProbe:
 _offered = threading.local()  # the probe the last update on this thread offered
 
 
+def withdraw() -> None:
+    """An update that offers no probe: none is pending for the next attention call."""
+    _offered.probe = None
+
+
 def _fallback(module: Any) -> Any:
     """The model's own attention: sdpa (tq's is only set on sdpa models, whose masks it
     builds with sdpa's mask function)."""
@@ -316,8 +323,9 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     offered, _offered.probe = getattr(_offered, "probe", None), None
     if isinstance(probe, KeysProbe):
         probe.met(kwargs)
-    elif isinstance(offered, KeysProbe):  # the layer's keys lost the probe on the way
-        offered.missed()
+    elif isinstance(offered, KeysProbe) and offered.layer is not None and \
+            offered.layer == getattr(module, "layer_idx", None):
+        offered.missed()  # this layer's keys lost the probe on the way
     coded = getattr(key, "tq_coded", None)
     if not isinstance(coded, CodedKV):
         return _fallback(module)(module, query, key, value, attention_mask, dropout=dropout,
@@ -338,4 +346,4 @@ def register() -> None:
 
 
 __all__ = ["COMPILED_SDPA", "NAME", "CodedKV", "CodedStream", "KeysProbe", "attend", "attention",
-           "coded_scores", "coded_values", "mean_scores", "register"]
+           "coded_scores", "coded_values", "mean_scores", "register", "withdraw"]

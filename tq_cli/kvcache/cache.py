@@ -72,7 +72,7 @@ class TurboQuantCache(Cache):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
             elif kind == "full_attention":
                 layers.append(TurboQuantLayer(spec, self.bank, measure_error, rope(kind),
-                                              code_attention))
+                                              code_attention, index=i))
             elif kind in SLIDING_TYPES and spec.sliding == "quantize":
                 layers.append(TurboQuantSlidingLayer(spec, self.bank, kw["sliding_window"],
                                                      measure_error, rope(kind)))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import BaseQuantizedLayer, DynamicSlidingWindowLayer
 
-from tq_cli.kvcache.attend import CodedKV, CodedStream, KeysProbe
+from tq_cli.kvcache.attend import CodedKV, CodedStream, KeysProbe, withdraw
 from tq_cli.kvcache.codec import Encoded, StreamCodec
 from tq_cli.kvcache.rope import RotaryAngles
 from tq_cli.kvcache.spec import KVSpec
@@ -272,14 +272,15 @@ class TurboQuantLayer(BaseQuantizedLayer):
     CODE_MAX_NEW = 8
 
     def __init__(self, spec: KVSpec, bank: CodecBank, measure_error: bool = False,
-                 rope: RotaryAngles | None = None, code_attention: bool = False) -> None:
+                 rope: RotaryAngles | None = None, code_attention: bool = False,
+                 index: int | None = None) -> None:
         super().__init__()
         self.spec, self.bank, self.measure_error = spec, bank, measure_error
         self.code_attention = code_attention
         # Whether this model's attention module hands the returned keys to tq's attention
         # function as they are (`kvcache.attend.KeysProbe`): until one forward shows it,
         # the layer returns every token decoded, with a probe on the keys.
-        self.probe = KeysProbe()
+        self.probe = KeysProbe(index)
         self.rope = rope  # the layer's RoPE angles, when keys are centered before RoPE
         self.n_sinks = spec.sinks
         self.streams: tuple[_Stream, _Stream] | None = None
@@ -334,8 +335,11 @@ class TurboQuantLayer(BaseQuantizedLayer):
         self._mirror()
         if coded is not None:
             keys.tq_coded = coded  # type: ignore[attr-defined]
+            withdraw()
         elif self.code_attention and self.probe.offer():
             keys.tq_probe = self.probe  # type: ignore[attr-defined]
+        else:
+            withdraw()
         return keys, values
 
     def _after_admit(self) -> None:

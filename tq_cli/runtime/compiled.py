@@ -70,6 +70,17 @@ def default_on() -> bool:
                   "it for the default (on)")
 
 
+def _inductor_compiler() -> bool:
+    """Whether inductor finds a C++ compiler for the step's kernels: $CXX, else c++, g++ or
+    clang++ on PATH (a prebuilt tq wheel runs its own kernels without one)."""
+    import shutil
+
+    from tq_kernels import cpu_build
+
+    cxx = cpu_build.compiler()
+    return cxx is not None and shutil.which(cxx) is not None
+
+
 def why_not_compiled(model: nn.Module) -> str | None:
     """Why `enable_compiled` cannot serve this model, or None."""
     from tq_cli.runtime.experts import TQExperts
@@ -88,6 +99,9 @@ def why_not_compiled(model: nn.Module) -> str | None:
         return "compiled decode steps are for the CPU (CUDA runs Triton kernels)"
     if not cpu.available():
         return "tq's native CPU kernel is unavailable"
+    if not _inductor_compiler():
+        return ("no C++ compiler for inductor (tq's kernels came prebuilt); install g++ or set "
+                "CXX for the compiled step")
     if not cpu.traceable():
         return "this torch cannot register the operators' shapes for tracing"
     if any(m.rotation is not None and m.rotation.kind != "hadamard" for m in layers):
@@ -263,7 +277,7 @@ def fingerprint(model: nn.Module) -> tuple[Any, ...]:
     guards on hooks): every module's hooks (by handle id), the global ones, the module tree
     (names and types) and each module's plain attributes (numbers, strings, flags; not the
     model's own private ones, where generate() keeps its bookkeeping), and each
-    parameter's and buffer's shape, strides, dtype, device and requires_grad: dynamo's
+    parameter's and buffer's type, shape, strides, dtype, device and requires_grad: dynamo's
     checks of those are filtered out of the step's guards (`skip_module_tensor_guards`),
     so this per-call comparison stands in for them. Values edited in place need no entry:
     the compiled step reads the tensors as inputs."""
@@ -276,7 +290,8 @@ def fingerprint(model: nn.Module) -> tuple[Any, ...]:
         attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
                              if k != "training" and not (name == "" and k.startswith("_"))
                              and type(v) in (bool, int, float, str)))
-        tensors = tuple((k, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+        tensors = tuple((k, type(t), tuple(t.shape), t.stride(), t.dtype, t.device,
+                         t.requires_grad)
                         for k, t in (*m._parameters.items(), *m._buffers.items())
                         if t is not None)
         per.append((name, (type(m), tensors), hooks, attrs))

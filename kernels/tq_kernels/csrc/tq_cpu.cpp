@@ -278,7 +278,12 @@ void store(const float* y, at::Tensor& dst) {
 // fits, the AVX-512 variant, bf16 products asked for and native on this CPU.
 bool bf16_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
 #ifdef TQ_BF16_GEMV
-  return M == 1 && bf16 && l.eisa == kAvx512 && bf16_products() && bf16gemv::fits(P);
+  // vdpbf16ps is AVX512-BF16's: a CPU with AMX-BF16 alone has bf16 GEMMs but not this
+  static const bool dot = [] {
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_supports("avx512bf16"));
+  }();
+  return M == 1 && bf16 && dot && l.eisa == kAvx512 && bf16_products() && bf16gemv::fits(P);
 #else
   (void)P, (void)l, (void)M, (void)bf16;
   return false;
