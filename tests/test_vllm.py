@@ -127,19 +127,26 @@ def _head_entry(folder: Path) -> dict:
 
 
 def _tq_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """tq's own greedy tokens, with float32 products as `_vllm` runs vLLM (a one-row
+    decode GEMV would otherwise take bf16 products where the CPU has them)."""
     import tq_cli
+    from tq_kernels import cpu
 
-    model = tq_cli.load(folder, device="cpu")
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            res = model(torch.tensor([p]), use_cache=True)
-            toks: list[int] = []
-            for _ in range(n):
-                toks.append(int(res.logits[0, -1].argmax()))
-                res = model(torch.tensor([[toks[-1]]]), past_key_values=res.past_key_values,
-                            use_cache=True)
-            out.append(toks)
+    cpu.set_gemm_precision("fp32")
+    try:
+        model = tq_cli.load(folder, device="cpu")
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                res = model(torch.tensor([p]), use_cache=True)
+                toks: list[int] = []
+                for _ in range(n):
+                    toks.append(int(res.logits[0, -1].argmax()))
+                    res = model(torch.tensor([[toks[-1]]]),
+                                past_key_values=res.past_key_values, use_cache=True)
+                out.append(toks)
+    finally:
+        cpu.set_gemm_precision(None)
     return out
 
 
