@@ -151,10 +151,11 @@ def mapping(source: dict[str, torch.Tensor], names: list[str], config: dict,
     on the F32 GGUF: its dequantized tensor equals the source exactly."""
     import gguf
 
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items()
-                if n == gguf.GGUFReader(f32).fields["general.architecture"].contents())
+    reader = gguf.GGUFReader(f32)  # parsed once: a large vocabulary takes a while
+    name_of = reader.fields["general.architecture"].contents()
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name_of)
     tmap = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    tensors = gguf_tensors(f32)
+    tensors = {t.name: t for t in reader.tensors}
     heads = {config["num_attention_heads"], config.get("num_key_value_heads") or 0} - {0}
     out: dict[str, tuple[str, int]] = {}
     for name in names:
