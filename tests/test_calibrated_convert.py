@@ -111,6 +111,9 @@ def test_target_bits_mixed_precision(tiny_llama: Path, calib_file: Path,
     widths = {t["spec"]["bits"] for t in m["tensors"]
               if t["action"] == "quantize" and t["name"] != "lm_head.weight"}
     assert len(widths) >= 2  # a real mix, not one width for all
+    # group 32 costs 0.5 bits per weight in scales: 3 and 4 bits alone cannot reach 3.5,
+    # so the default widths keep 2 bits
+    assert m["mixed_precision"]["choices"] == [2, 3, 4]
     assert m["mixed_precision"]["tensors_per_bits"] == {
         str(b): sum(1 for t in m["tensors"] if t.get("spec", {}).get("bits") == b)
         for b in (2, 3, 4)}
@@ -118,6 +121,31 @@ def test_target_bits_mixed_precision(tiny_llama: Path, calib_file: Path,
 
     model = load(out, device="cpu", dtype=torch.float32)
     assert torch.isfinite(model(torch.arange(10)[None]).logits).all()
+
+
+def test_default_widths_leave_2_bits_out_from_3_5_where_3_and_4_reach(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    from tq_cli.conversion.mixed_precision import default_bit_choices
+    from tq_cli.planning.prepare import plan_source
+    from tq_cli.quant.spec import QuantSpec
+
+    g128 = plan_source(tiny_llama, None, QuantSpec(group_size=128)).plan
+    g32 = plan_source(tiny_llama, None, QuantSpec(group_size=32)).plan
+    assert default_bit_choices(g128, 3.5) == (3, 4)
+    assert default_bit_choices(g128, 4.25) == (3, 4)
+    assert default_bit_choices(g128, 3.49) == (2, 3, 4)
+    assert default_bit_choices(g32, 3.5) == (2, 3, 4)  # 3 bits at group 32 is over 3.5
+    assert default_bit_choices(g32, 3.7) == (3, 4)
+    r = runner.invoke(app, ["convert", str(tiny_llama), "-o", str(tmp_path / "o"),
+                            "--target-bits", "3.6", "--fast", "--json"])
+    assert r.exit_code == 0, r.output
+    mixed = json.loads(r.stdout)["mixed_precision"]
+    assert mixed["choices"] == [3, 4] and set(mixed["tensors_per_bits"]) == {"3", "4"}
+    r = runner.invoke(app, ["convert", str(tiny_llama), "-o", str(tmp_path / "p"),
+                            "--target-bits", "3.6", "--bit-choices", "2,3,4", "--fast",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["mixed_precision"]["choices"] == [2, 3, 4]
 
 
 def test_target_below_reach_is_one_line(tiny_llama: Path, tmp_path: Path) -> None:

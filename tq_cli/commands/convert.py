@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import typer
 from pydantic import ValidationError
@@ -116,8 +117,9 @@ def main(
                               "quality)."),
     target_bits: float | None = typer.Option(None, "--target-bits", help="Mixed precision: "
                                              "choose each tensor's bits for this average."),
-    bit_choices: str = typer.Option("2,3,4", "--bit-choices", help="With --target-bits: the "
-                                    "widths to choose from."),
+    bit_choices: str | None = typer.Option(
+        None, "--bit-choices", help="With --target-bits: the widths to choose from (default: "
+        "3,4 for a target of 3.5 or more, else 2,3,4)."),
     head_bits: str | None = typer.Option(
         None, "--head-bits", help="Store lm_head (and the input embedding tied to it) "
         "quantized: 8 | 4 | none (kept as the source has it). "
@@ -154,7 +156,7 @@ def main(
             "act_order": act_order, "synthetic_calib": synthetic_calib, "fast": fast,
             "self_calib": self_calib,
             "target_bits": target_bits, "vision": vision,
-            "bit_choices": _choices(bit_choices),
+            "bit_choices": None if bit_choices is None else _choices(bit_choices),
         } | ({} if head_bits is None else {"head_bits": _head_bits(head_bits)}))
     except ValueError as e:  # pydantic's ValidationError, or --temperature's parser
         raise (usage_error(e, FLAGS) if isinstance(e, ValidationError)
@@ -203,6 +205,13 @@ def main(
         stdout.print(summary_table(result, spec))
 
 
+def _choices_used(summary: dict[str, Any], spec: ConvertSpec) -> list[int]:
+    """The widths --target-bits chose from: the manifest's record (a default depends on
+    the model), else what was asked."""
+    mixed = summary.get("mixed_precision") or {}
+    return list(mixed.get("choices") or spec.bit_choices or ())
+
+
 def summary_table(r: ConvertResult, spec: ConvertSpec) -> Table:
     s = r.summary()
     t = Table(title=f"tq convert -> {r.out}", show_header=True)
@@ -210,7 +219,8 @@ def summary_table(r: ConvertResult, spec: ConvertSpec) -> Table:
     t.add_column("value", justify="right")
     rows = [
         ("settings", (f"{spec.quant.bits}-bit" if spec.target_bits is None else
-                      f"mixed {spec.target_bits:g} bits ({'/'.join(map(str, spec.bit_choices))})")
+                      f"mixed {spec.target_bits:g} bits "
+                      f"({'/'.join(map(str, _choices_used(s, spec)))})")
          + f", group {spec.quant.group_size}, {spec.quant.codebook}, "
            f"rotation {spec.rotation.kind}"),
         ("tensors converted", str(r.tensors_converted)),

@@ -164,14 +164,14 @@ def _convert(source: str | os.PathLike[str], out: Path, spec: ConvertSpec,
     if calib_record is not None:
         provenance["calibration"] = calib_record
     if spec.target_bits is not None:
-        from tq_cli.conversion.mixed_precision import choose_bits
+        from tq_cli.conversion.mixed_precision import choose_bits, default_bit_choices
 
+        choices = spec.bit_choices or default_bit_choices(plan, spec.target_bits)
         if log:
             log(f"--target-bits {spec.target_bits:g}: measuring every tensor at "
-                f"{', '.join(map(str, spec.bit_choices))} bits first")
+                f"{', '.join(map(str, choices))} bits first")
         fisher = _fisher(spec, planned, out, scratch, warn) if calib is not None else None
-        mixed = choose_bits(plan, spec.target_bits, spec.bit_choices, device, calib,
-                            fisher=fisher)
+        mixed = choose_bits(plan, spec.target_bits, choices, device, calib, fisher=fisher)
         if mixed.record.get("fisher_unused"):
             warn(f"--target-bits: widths by the Hessian-weighted error, not the Fisher-"
                  f"weighted one ({mixed.record['fisher_unused']})")

@@ -62,7 +62,10 @@ class ConvertSpec(BaseModel):
                        "seconds instead of a minute, lower quality")
     target_bits: float | None = Field(None, gt=1.0, le=8.5, description="mixed precision: "
                                       "average bits per weight to reach")
-    bit_choices: tuple[int, ...] = (2, 3, 4)
+    bit_choices: tuple[int, ...] | None = Field(
+        None, description="the widths --target-bits chooses from; None: 3 and 4 from a "
+        "3.5-bit target up where they reach it, else 2, 3 and 4 "
+        "(tq_cli.conversion.mixed_precision.default_bit_choices)")
     head_bits: Literal[4, 8] | None = Field(
         DEFAULT_HEAD_BITS, description="store lm_head (and the input embedding tied to it) "
         "quantized at these bits (tq_cli.quant.head); None keeps it as the source has it. "
@@ -82,11 +85,12 @@ class ConvertSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_mixed(self) -> ConvertSpec:
-        bad = [b for b in self.bit_choices if b not in (2, 3, 4, 8)]
-        if bad:
-            raise ValueError(f"bit choices must be among 2, 3, 4, 8, got {bad[0]}")
-        if not self.bit_choices:
-            raise ValueError("bit choices are empty")
+        if self.bit_choices is not None:
+            bad = [b for b in self.bit_choices if b not in (2, 3, 4, 8)]
+            if bad:
+                raise ValueError(f"bit choices must be among 2, 3, 4, 8, got {bad[0]}")
+            if not self.bit_choices:
+                raise ValueError("bit choices are empty")
         if self.fast and (self.calib is not None or self.synthetic_calib):
             raise ValueError("--fast skips calibration; drop --calib or --synthetic-calib, or "
                              "--fast")
