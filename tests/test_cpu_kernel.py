@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -73,6 +74,42 @@ def _bf16_rounding(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | No
     return 2.0**-7 * (xr.abs() @ dequantize_rotated(q).abs().T)
 
 
+def _int8_parts(xr: torch.Tensor, codebook: torch.Tensor, group: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What csrc/int8_gemv.h multiplies, in float32 as it computes them: the activations
+    rounded to int8 per group (scale max|x| / 127, to nearest even) and the levels rounded
+    to int8 on the step max|level| / 127. Returns (q * scale per value [.., n], the
+    levels' int8 values, the step)."""
+    xf = xr.float()
+    n = xf.shape[-1]
+    out = torch.empty_like(xf, dtype=torch.float64)
+    for c0 in range(0, n, group):
+        part = xf[..., c0:c0 + group]
+        m = part.abs().amax(-1, keepdim=True)
+        inv = torch.where(m > 0, torch.tensor(127.0) / m, torch.zeros_like(m))
+        q = torch.round(part * inv)  # float32 product, then round half to even
+        out[..., c0:c0 + group] = q.double() * torch.where(m > 0, m / 127, 0).double()
+    step = codebook.float().abs().max() / 127
+    return out, torch.round(codebook.float() / step).clamp(-127, 127), step
+
+
+def _int8_rounding(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | None,
+                   block: int) -> torch.Tensor:
+    """How far int8 products move each output: each activation by at most half its
+    group's step (max|x| / 254), each level by half the levels' step, times the group
+    scale; summed over |W| and |x_rot| (plus the step)."""
+    xf = x.float()
+    xr = reference.rotate(xf, signs, block) if signs is not None else xf
+    group = q.spec.group_size
+    half = torch.cat([xr[..., c0:c0 + group].abs().amax(-1, keepdim=True).expand(
+        *xr.shape[:-1], min(group, xr.shape[-1] - c0)) for c0 in range(0, xr.shape[-1], group)],
+        -1) / 254
+    w = dequantize_rotated(q).abs()
+    level = float(q.codebook.abs().max()) / 254
+    dw = q.scales.float().abs().repeat_interleave(group, -1)[:, :xr.shape[-1]] * level
+    return half @ w.T + (xr.abs() + half) @ dw.T + 2e-6 * (xr.abs() @ w.T)
+
+
 def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
            slack: torch.Tensor | float = 0.0) -> None:
     assert got.dtype == dtype and got.shape == want.shape
@@ -105,7 +142,11 @@ def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch
                      q.outlier_val, bias, bits=bits, group_size=group, out_features=OUT,
                      isa=isa, gemm_min_batch=0 if path == "gemv" else 1, gemm=gemm)
     slack: torch.Tensor | float = 0.0
-    if gemm == "bf16" and path == "gemv":
+    int8 = (isa == "avx512" and batch == 1 and bits == 4 and n % 64 == 0 and group % 64 == 0
+            and cpu.native_int8_gemv() and cpu.gemv_choice() == "int8")
+    if gemm == "bf16" and path == "gemv" and int8:
+        slack = _int8_rounding(x, q, signs, 64)
+    elif gemm == "bf16" and path == "gemv":
         slack = _bf16_rounding(x, q, signs, 64)
     elif gemm == "bf16":
         slack = _bf16_rounding(x, q, signs, 64)
@@ -114,9 +155,17 @@ def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch
     _check(got, _want(x, q, signs, 64, bias), dtype, slack)
 
 
+@pytest.fixture
+def bf16_gemv() -> Iterator[None]:
+    """The one-row GEMV of 4-bit layers with bf16 products, as on a CPU without VNNI."""
+    cpu.set_gemv_products("bf16")
+    yield
+    cpu.set_gemv_products(None)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("n", [576, 1536])
-def test_bf16_gemv_matches_an_emulation(bits: int, n: int) -> None:
+def test_bf16_gemv_matches_an_emulation(bits: int, n: int, bf16_gemv: None) -> None:
     """A decode step's 2-4-bit GEMV with bf16 products is the float32 sum of bf16(x_rot) times
     the bf16-rounded levels, scaled per group, the outliers on the float32 x_rot: to float32
     accumulation, which the float32 GEMV (off by up to 2^-9 of each product) is not."""
@@ -147,6 +196,85 @@ def test_bf16_gemv_matches_an_emulation(bits: int, n: int) -> None:
     assert cpu.gemv_products(bits, 64, n) == "bf16"
     assert [cpu.gemv_products(*a) for a in ((4, 64, 200), (8, 64, n), (4, 32, n), (4, 64, n, 2))
             ] == ["fp32"] * 4
+
+
+@pytest.mark.parametrize(("n", "group"), [(576, 64), (576, 128), (1536, 128), (640, 256)])
+def test_int8_gemv_matches_an_emulation(n: int, group: int) -> None:
+    """A decode step's 4-bit GEMV with int8 products (csrc/int8_gemv.h, the default on
+    AVX512-VNNI CPUs) is the float32 sum of the int8-rounded activations and levels,
+    scaled per group, the outliers on the float32 x_rot: to float32 accumulation. With
+    bf16 products asked for instead, the same call is not."""
+    if not cpu.native_int8_gemv():
+        pytest.skip("this CPU has no AVX512-VNNI: the 4-bit GEMV takes bf16 products")
+    q = _quantized(4, n, group)
+    g = torch.Generator().manual_seed(n + group)
+    x = torch.randn(1, n, generator=g)
+    x[0, 5] = 9.0  # one large value: its group's step is 4x the others'
+    bias = torch.randn(OUT, generator=g)
+    signs = _signs(n, 64)
+
+    def run() -> torch.Tensor:
+        return cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
+                          q.outlier_val, bias, bits=4, group_size=group, out_features=OUT,
+                          gemm_min_batch=0, gemm="bf16")
+
+    got = run()
+    xr = cpu.rotate(x, signs, 64)
+    xq, levels, step = _int8_parts(xr, q.codebook, group)
+    args = {"bits": 4, "group_size": group, "out_features": OUT, "in_features": n}
+    y = reference.grouped_matmul(xq, q.codes, q.scales.double(), levels.double() * float(step),
+                                 **args)
+    want = reference.add_outliers(y, xr.double(), q.outlier_idx, q.outlier_val.double(), n)
+    want = want + bias.double()
+    w = reference.grouped_matmul(xq.abs(), q.codes, q.scales.double().abs(),
+                                 levels.double().abs() * float(step), **args)
+    err = (got.double() - want).abs()
+    assert bool((err <= 1e-6 * w + 1e-6 * want.abs()).all()), float((err / w).max())
+    assert cpu.gemv_products(4, group, n) == "int8"
+    exact = _want(x, q, signs, 64, bias).double()
+    assert bool(((got.double() - exact).abs() <= _int8_rounding(x, q, signs, 64)).all())
+    cpu.set_gemv_products("bf16")
+    try:
+        assert cpu.gemv_products(4, group, n) == ("bf16" if cpu.native_bf16_gemm() else "fp32")
+        assert not bool(((run().double() - want).abs() <= 1e-6 * w + 1e-6 * want.abs()).all())
+    finally:
+        cpu.set_gemv_products(None)
+
+
+def test_int8_gemv_propagates_a_nan() -> None:
+    """A NaN or infinite activation gives NaN outputs, as float32 products would, instead
+    of a scale that silently drops its group."""
+    if not cpu.native_int8_gemv():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    q = _quantized(4, 576, 64)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(1, 576)
+        x[0, 100] = bad
+        y = cpu.linear(x, None, 64, q.codes, q.scales, q.codebook, None, None, None, bits=4,
+                       group_size=64, out_features=OUT, gemm_min_batch=0, gemm="bf16")
+        assert bool(y.isnan().all()), bad
+
+
+def test_gemv_products_follow_environment_and_setter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TQ_CPU_GEMV picks the 4-bit GEMV's products, the setter wins over it, a mistyped
+    value warns and keeps bf16, and an unknown one is refused by the setter."""
+    try:
+        for value, want in (("", "int8"), ("bf16", "bf16"), ("int8", "int8")):
+            monkeypatch.setenv("TQ_CPU_GEMV", value)
+            cpu.set_gemv_products(None)
+            assert cpu.gemv_choice() == want, value
+        monkeypatch.setenv("TQ_CPU_GEMV", "bf16")
+        cpu.set_gemv_products("int8")
+        assert cpu.gemv_choice() == "int8"
+        cpu.set_gemv_products(None)
+        monkeypatch.setenv("TQ_CPU_GEMV", "int4")
+        with pytest.warns(RuntimeWarning, match="TQ_CPU_GEMV='int4' is not one of int8, bf16"):
+            assert cpu.gemv_choice() == "bf16"
+        with pytest.raises(ValueError, match="products must be one of int8, bf16, got 'fp8'"):
+            cpu.set_gemv_products("fp8")
+    finally:
+        monkeypatch.delenv("TQ_CPU_GEMV")
+        cpu.set_gemv_products(None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -12,8 +12,12 @@ the 4-bit weight's own error (docs/decisions.md). `TQ_CPU_GEMM=fp32` keeps float
 products for a process, `set_gemm_precision()` switches from Python, `gemm_precision()`
 says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap it.
 Decode-sized batches take the lookup-table GEMV in float32, except one activation row of
-a 2-4-bit layer on an AVX512-BF16 CPU, which takes bf16 products under the same switch
-(csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate; `gemv_products` says which).
+a 2-4-bit layer on the AVX-512 variant, which takes faster products under the same
+switch: int8 ones for 4-bit layers on CPUs with AVX512-VNNI (csrc/int8_gemv.h,
+llama.cpp's way: activations rounded to int8 per group), bf16 ones on AVX512-BF16 CPUs
+otherwise (csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate). `TQ_CPU_GEMV=bf16` (or
+`set_gemv_products("bf16")`) keeps bf16 products for the 4-bit GEMV too;
+`gemv_products` says which runs.
 
 Variants are named by instruction set: "avx512", "avx2", "scalar". The best one the CPU
 supports is used; `TQ_CPU_ISA=avx2` (or `scalar`) caps it for a process, and tests pass
@@ -40,6 +44,7 @@ ISAS = cpu_build.ISAS
 # 12-16) with bf16 ones, depending on width and bits.
 GEMM_MIN_BATCH = 16
 GEMM_PRECISIONS = ("fp32", "bf16")
+GEMV_PRODUCTS = ("int8", "bf16")  # the one-row GEMV's products while GEMM products are bf16
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,6 +57,7 @@ def _built() -> cpu_build.Built:
         # TQ_CPU_ISA's cap for the operators that pick a variant themselves (rotate,
         # decode attention, outlier values); _cap() applies it to the rest, and warns
         torch.ops.tq_cpu.set_isa_cap(cpu_build.capped(int(torch.ops.tq_cpu.cpu_isa())))
+        _sync_gemv()
         try:
             _register_fakes()
         except (AttributeError, RuntimeError) as e:  # torch without register_fake (< 2.4)
@@ -115,14 +121,64 @@ _GEMM_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": 
 
 
 @functools.lru_cache(maxsize=1)
-def _gemm_bf16() -> bool:
+def _fast_requested() -> bool:
+    """Whether bf16 (fast) products are asked for: the operator's bf16_gemm flag. The
+    kernel takes them only where the CPU has them (bf16 or, in the GEMV, int8 ones)."""
     env = os.environ.get("TQ_CPU_GEMM", "").strip().lower()
     want = _requested or _GEMM_ALIASES.get(env or "bf16")
     if want is None:  # a mistyped opt-out should not give what it tried to turn off
         warnings.warn(f"tq: TQ_CPU_GEMM={env!r} is not one of {', '.join(GEMM_PRECISIONS)}; "
                       "using fp32", RuntimeWarning, stacklevel=3)
         want = "fp32"
-    return want == "bf16" and native_bf16_gemm()
+    return want == "bf16"
+
+
+def _gemm_bf16() -> bool:
+    return _fast_requested() and native_bf16_gemm()
+
+
+_gemv_requested: str | None = None  # set_gemv_products(); None: TQ_CPU_GEMV, else int8
+
+
+def _gemv_choice() -> str:
+    env = os.environ.get("TQ_CPU_GEMV", "").strip().lower()
+    want = _gemv_requested or (env if env in GEMV_PRODUCTS else None)
+    if want is None and env:
+        warnings.warn(f"tq: TQ_CPU_GEMV={env!r} is not one of {', '.join(GEMV_PRODUCTS)}; "
+                      "using bf16", RuntimeWarning, stacklevel=3)
+        want = "bf16"
+    return want or "int8"
+
+
+def gemv_choice() -> str:
+    """The products asked for in the one-row GEMV of 4-bit layers: "int8" or "bf16"
+    (`set_gemv_products`, TQ_CPU_GEMV); `gemv_products` says what a layer runs."""
+    return _gemv_choice()
+
+
+def _sync_gemv() -> None:
+    torch.ops.tq_cpu.set_gemv_int8(_gemv_choice() == "int8")
+
+
+def set_gemv_products(products: str | None) -> None:
+    """Ask for "int8" (the default) or "bf16" products in the one-row GEMV of 4-bit
+    layers from now on, in this process, while gemm_precision() asks for bf16 ones (int8
+    still needs AVX512-VNNI); None goes back to TQ_CPU_GEMV or the default. Unlike the
+    GEMM's precision, a compiled decode step follows this at once."""
+    global _gemv_requested
+    if products is not None and products not in GEMV_PRODUCTS:
+        raise ValueError(f"products must be one of {', '.join(GEMV_PRODUCTS)}, "
+                         f"got {products!r}")
+    _require()
+    _gemv_requested = products
+    _sync_gemv()
+
+
+def native_int8_gemv() -> bool:
+    """Whether this CPU has AVX512-VNNI's int8 dot products and TQ_CPU_ISA does not cap the
+    kernel below avx512 (the int8 GEMV needs both)."""
+    _require()
+    return bool(torch.ops.tq_cpu.int8_gemv())
 
 
 def native_bf16_gemm() -> bool:
@@ -140,13 +196,20 @@ def gemm_precision() -> str:
 
 
 def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1) -> str:
-    """The product precision of a GEMV (below GEMM_MIN_BATCH rows) now: "bf16" for one
-    activation row of a 2-, 3- or 4-bit layer whose group size and width hold whole
-    64-code chunks, on the AVX-512 variant, while gemm_precision() is bf16
-    (csrc/bf16_gemv.h); "fp32" otherwise."""
+    """The product precision of a GEMV (below GEMM_MIN_BATCH rows) now, for one activation
+    row of a 2-, 3- or 4-bit layer whose group size and width hold whole 64-code chunks,
+    on the AVX-512 variant, while bf16 products are asked for (`set_gemm_precision`):
+    "int8" for a 4-bit one with groups of at most 2048 on a CPU with AVX512-VNNI while
+    the GEMV's products are int8 (`set_gemv_products`, csrc/int8_gemv.h), else "bf16" on
+    a CPU with bf16 dot products (csrc/bf16_gemv.h); "fp32" otherwise."""
     fits = (batch == 1 and 2 <= bits <= 4 and group_size % 64 == 0 and in_features % 64 == 0
             and kernel_isa(bits, group_size) == "avx512")
-    return "bf16" if fits and _gemm_bf16() else "fp32"
+    if not (fits and _fast_requested()):
+        return "fp32"
+    if (bits == 4 and group_size <= 2048 and _gemv_choice() == "int8"
+            and native_int8_gemv()):
+        return "int8"
+    return "bf16" if native_bf16_gemm() else "fp32"
 
 
 def set_gemm_precision(precision: str | None) -> None:
@@ -157,7 +220,7 @@ def set_gemm_precision(precision: str | None) -> None:
         raise ValueError(f"precision must be one of {', '.join(GEMM_PRECISIONS)}, "
                          f"got {precision!r}")
     _requested = precision
-    _gemm_bf16.cache_clear()
+    _fast_requested.cache_clear()
 
 
 def _isa_index(isa: str | None) -> int:
@@ -206,7 +269,7 @@ def linear(x: torch.Tensor, signs: torch.Tensor | None, block: int, codes: torch
         x, signs, block, codes, scales, codebook, outlier_idx, outlier_val, bias, bits,
         group_size, out_features, isa_i,
         GEMM_MIN_BATCH if gemm_min_batch is None else gemm_min_batch,
-        _gemm_bf16() if gemm is None else gemm == "bf16",
+        _fast_requested() if gemm is None else gemm == "bf16",
         # traced (a user's own torch.compile): no input reuse (see native_args)
         not torch.compiler.is_compiling())
 
@@ -218,7 +281,7 @@ def native_args() -> tuple[int, int, bool, bool]:
     buffers in place without a version bump, so the operator must not take an input for
     the one it rotated last."""
     _require()
-    return _cap(), GEMM_MIN_BATCH, _gemm_bf16(), False
+    return _cap(), GEMM_MIN_BATCH, _fast_requested(), False
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

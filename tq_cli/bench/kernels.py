@@ -124,14 +124,14 @@ def _backend_name(device: torch.device, bits: int) -> str:
 
 
 def _path(device: torch.device, batch: int, bits: int, in_f: int) -> str:
-    """Which path a batch takes: the CPU kernel's lookup-table GEMV (float32, or bf16
-    products for one row of a 2-4-bit layer where the CPU has them) or its dequantize +
-    GEMM (with its product precision); "-" off the CPU kernel."""
+    """Which path a batch takes: the CPU kernel's lookup-table GEMV (float32, or int8 or
+    bf16 products for one row of a 2-4-bit layer where the CPU has them) or its
+    dequantize + GEMM (with its product precision); "-" off the CPU kernel."""
     if not dispatch.backend_for(device).startswith("cpu-"):
         return "-"
     if batch < cpu.GEMM_MIN_BATCH:
-        bf16 = cpu.gemv_products(bits, GROUP, in_f, batch) == "bf16"
-        return "GEMV bf16" if bf16 else "LUT GEMV"
+        products = cpu.gemv_products(bits, GROUP, in_f, batch)
+        return "LUT GEMV" if products == "fp32" else f"GEMV {products}"
     return f"GEMM {cpu.gemm_precision()}"
 
 

@@ -174,6 +174,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         pass
     if device.type == "cpu" and cpu_kernel.available():
         env["cpu_gemm"] = cpu_kernel.gemm_precision()
+        # a decode-sized 4-bit layer's one-row GEMV products (int8 where the CPU has VNNI)
+        env["cpu_gemv_4bit"] = cpu_kernel.gemv_products(4, 128, 4096)
         env["cpu_isa"] = cpu_kernel.active_isa()  # what ran: the CPU's widest, or TQ_CPU_ISA
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -37,6 +37,7 @@
 #include "attention_avx512.h"
 #include "avx512.h"
 #include "bf16_gemv.h"
+#include "int8_gemv.h"
 #include "common.h"
 #include "scalar.h"
 #include "shared_hadamard.h"
@@ -290,6 +291,48 @@ bool bf16_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
 #endif
 }
 
+// Whether one-row GEMVs may take int8 products (int8_gemv.h) in place of bf16 ones:
+// tq_kernels.cpu sets it (set_gemv_int8) from TQ_CPU_GEMV or its setter.
+std::atomic<bool> gemv_int8{false};
+
+bool has_vbmi() {
+#ifdef TQ_INT8_GEMV
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_supports("avx512vbmi"));
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+bool has_vnni() {
+#ifdef TQ_INT8_GEMV
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_supports("avx512vnni"));
+  }();
+  return yes && run_isa() >= kAvx512;
+#else
+  return false;
+#endif
+}
+
+// Whether a GEMV runs with int8 products: one activation row of a layer it fits, the
+// AVX-512 variant on a CPU with VNNI (with or without bf16 dot products), asked for, and
+// the fast products class asked for (bf16_gemm: TQ_CPU_GEMM=fp32 keeps float32 products
+// everywhere).
+bool int8_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
+#ifdef TQ_INT8_GEMV
+  return M == 1 && bf16 && gemv_int8.load(std::memory_order_relaxed) && l.eisa == kAvx512 &&
+         has_vnni() && i8gemv::fits(P);
+#else
+  (void)P, (void)l, (void)M, (void)bf16;
+  return false;
+#endif
+}
+
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, int64_t block,
                   const at::Tensor& codes_in, const at::Tensor& scales_in,
                   const at::Tensor& codebook_in, const at::Tensor& outlier_idx_in,
@@ -333,6 +376,22 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
         for (int64_t m = m0; m < m1; ++m)
           for (int64_t r = 0; r < out; ++r) y[m * out + r] += bp[r];
       });
+  } else if (int8_gemv(P, l, M, bf16_gemm)) {
+#ifdef TQ_INT8_GEMV
+    // this thread's buffers, read by every thread of the loop below (as bf16's xb)
+    static thread_local std::vector<int8_t> xq;
+    static thread_local std::vector<float> xs;
+    static thread_local std::vector<int32_t> xsum;
+    if (xq.size() < static_cast<size_t>(n)) xq.resize(n);
+    if (xs.size() < static_cast<size_t>(P.groups)) xs.resize(P.groups), xsum.resize(P.groups);
+    const i8gemv::Row row{xq.data(), xs.data(), xsum.data()};
+    i8gemv::quantize(P, xr, row);
+    const bool vbmi = has_vbmi();
+    at::parallel_for(0, out, row_grain(n, M), [&](int64_t r0, int64_t r1) {
+      i8gemv::rows(P, row, r0, r1, vbmi);
+      epilogue(P, xr, o, bp, r0, r1);
+    });
+#endif
   } else if (bf16_gemv(P, l, M, bf16_gemm)) {
 #ifdef TQ_BF16_GEMV
     // this thread's buffer, read by every thread of the loop below through xbp (a
@@ -381,6 +440,10 @@ void set_isa_cap(int64_t isa) { isa_cap.store(static_cast<int>(isa), std::memory
 
 bool bf16_gemm() { return bf16_products(); }
 
+bool int8_gemv_native() { return has_vnni(); }
+
+void set_gemv_int8(bool on) { gemv_int8.store(on, std::memory_order_relaxed); }
+
 int64_t kernel_isa(int64_t isa, int64_t bits, int64_t group_size) {
   return effective_isa(std::min<int64_t>(isa, best_isa()), static_cast<int>(bits), group_size);
 }
@@ -401,6 +464,8 @@ TORCH_LIBRARY(tq_cpu, m) {
   m.def("cpu_isa() -> int", &tqcpu::cpu_isa);
   m.def("set_isa_cap(int isa) -> ()", &tqcpu::set_isa_cap);
   m.def("bf16_gemm() -> bool", &tqcpu::bf16_gemm);
+  m.def("int8_gemv() -> bool", &tqcpu::int8_gemv_native);
+  m.def("set_gemv_int8(bool on) -> ()", &tqcpu::set_gemv_int8);
   m.def("kernel_isa(int isa, int bits, int group_size) -> int", &tqcpu::kernel_isa);
 }
 

@@ -1,0 +1,182 @@
+// The decode GEMV (one activation row) of 4-bit layers with 8-bit integer dot products
+// (AVX512-VNNI's vpdpbusd), for CPUs that have them: llama.cpp's way of multiplying a
+// non-uniform 4-bit grid (its IQ4_NL), applied to tq's codebooks.
+//
+// - The 16 levels become int8 on a grid of max|level| / 127 (`level_table`): one vpshufb
+//   decodes 32 codes. They are stored as level + 128 (unsigned), because vpdpbusd
+//   multiplies unsigned by signed bytes; each group's sum then carries 128 * sum(x), which
+//   its accumulator starts without (lane 0 starts at -128 * sum(x), exactly, in integers).
+// - The rotated activation row becomes int8 per weight group (`quantize`): scale
+//   max|x| / 127, round to nearest. Per 64 codes (32 bytes), even positions first, then
+//   odd ones, as a byte holds codes 2b (low nibble) and 2b + 1.
+// - Per group and row: the integer sum, to float, times the group's fp16 scale and the
+//   activations' scale, accumulated in float32; the level grid's step at the end.
+//
+// The rounding is larger than bf16's (about 0.4% of a group's largest |x| against bf16's
+// 0.4% of each value), and far below the 4-bit weights' own error; tests bound it
+// against an emulation (tests/test_cpu_kernel.py). Groups must hold whole 64-code chunks
+// and at most 2048 codes (each lane's integer sum stays exact in float32).
+#pragma once
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && \
+    (__GNUC__ >= 10 || defined(__clang__))
+#define TQ_INT8_GEMV 1
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c")
+
+namespace tqcpu::i8gemv {
+
+constexpr int64_t kChunk = 64;
+constexpr int kRows = 4;             // weight rows per pass over x
+constexpr int64_t kPrefetch = 8192;  // as rows.inc: bytes ahead of each row's group
+
+inline bool fits(const Problem& P) {
+  return P.bits == 4 && P.n % kChunk == 0 && P.group % kChunk == 0 && P.group <= 2048 &&
+         P.affine == nullptr;
+}
+
+// The activation row, quantized: q [n] in the chunk layout above, per group its scale and
+// the sum of its q.
+struct Row {
+  int8_t* q;
+  float* scale;
+  int32_t* sum;
+};
+
+// The levels as int8 on the step max|level| / 127, plus 128, in both 128-bit lanes (vpshufb
+// reads each lane's own 16 bytes). Returns the step.
+inline float level_table(const float* cb, __m256i* table) {
+  float m = 0.f;
+  for (int k = 0; k < 16; ++k) m = std::max(m, std::fabs(cb[k]));
+  const float step = m > 0.f ? m / 127.f : 1.f;
+  alignas(32) uint8_t t[32];
+  for (int k = 0; k < 16; ++k) {
+    const float q = std::nearbyint(cb[k] / step);
+    t[k] = t[k + 16] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + 128);
+  }
+  std::memcpy(table, t, 32);
+  return step;
+}
+
+// xr (rotated, natural order, n floats) -> row: per group, scale = max|x| / 127 and
+// q = round(x / scale) (to nearest even), even positions of each 64-value chunk first.
+inline void quantize(const Problem& P, const float* xr, const Row& row) {
+  alignas(64) static constexpr int32_t even[16] = {0, 2, 4, 6, 8, 10, 12, 14,
+                                                   16, 18, 20, 22, 24, 26, 28, 30};
+  const __m512i e = _mm512_load_si512(even), o = _mm512_add_epi32(e, _mm512_set1_epi32(1));
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t g = 0; g < P.groups; ++g) {
+    const int64_t c0 = g * P.group, c1 = std::min(P.n, c0 + P.group);
+    __m512 mx = _mm512_setzero_ps(), bad = _mm512_setzero_ps();
+    for (int64_t c = c0; c < c1; c += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + c);
+      mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, v));
+      bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN if not finite
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    const float inv = m > 0.f ? 127.f / m : 0.f;
+    const __m512 vi = _mm512_set1_ps(inv);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t c = c0; c < c1; c += kChunk) {
+      const __m512 a = _mm512_loadu_ps(xr + c), b = _mm512_loadu_ps(xr + c + 16);
+      const __m512 d = _mm512_loadu_ps(xr + c + 32), f = _mm512_loadu_ps(xr + c + 48);
+      const __m512 parts[4] = {_mm512_permutex2var_ps(a, e, b), _mm512_permutex2var_ps(d, e, f),
+                               _mm512_permutex2var_ps(a, o, b), _mm512_permutex2var_ps(d, o, f)};
+      for (int k = 0; k < 4; ++k) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(parts[k], vi));
+        sum = _mm512_add_epi32(sum, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q + c + 16 * k), _mm512_cvtsepi32_epi8(q));
+      }
+    }
+    // a NaN or infinite x gives the group's outputs NaN, as float32 products would
+    row.scale[g] = std::isnan(_mm512_reduce_add_ps(bad)) ? NAN : m > 0.f ? m / 127.f : 0.f;
+    row.sum[g] = _mm512_reduce_add_epi32(sum);
+  }
+}
+
+template <int RT, bool VBMI>
+inline void dot_rows(const Problem& P, const Row& x, int64_t row, __m256i table, float step) {
+  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const uint8_t* rp[RT];
+  const uint16_t* sp[RT];
+  __m256 tot[RT];
+  for (int r = 0; r < RT; ++r) {
+    rp[r] = P.codes + (row + r) * P.row_bytes;
+    sp[r] = P.scales + (row + r) * groups;
+    tot[r] = _mm256_setzero_ps();
+  }
+  alignas(64) float comb[RT][16];  // per group of a block: weight scale x activation scale
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g % 16 == 0) {
+      const __mmask16 m = groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1;
+      const __m512 xsc = _mm512_maskz_loadu_ps(m, x.scale + g);
+      for (int r = 0; r < RT; ++r)
+        _mm512_store_ps(comb[r], _mm512_mul_ps(xsc, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sp[r] + g))));
+    }
+    const int64_t c0 = g * group;
+    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
+    for (int r = 0; r < RT; ++r)
+      for (int64_t off = 0; off < group / 2; off += 64)
+        __builtin_prefetch(rp[r] + c0 / 2 + kPrefetch + off, 0, 2);
+    // the offset levels' extra 128 * sum(x), taken out before the sum starts
+    const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(-128 * x.sum[g]));
+    __m256i acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = start;
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t at = c0 + c * kChunk;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at + 32));
+      for (int r = 0; r < RT; ++r) {
+        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r] + at / 2));
+        __m256i wl, wh;
+        if constexpr (VBMI) {  // vpermb reads 5 index bits: no mask (the table repeats)
+          wl = _mm256_permutexvar_epi8(d, table);
+          wh = _mm256_permutexvar_epi8(_mm256_srli_epi16(d, 4), table);
+        } else {
+          wl = _mm256_shuffle_epi8(table, _mm256_and_si256(d, low4));
+          wh = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(d, 4), low4));
+        }
+        acc[r] = _mm256_dpbusd_epi32(acc[r], wl, x0);
+        acc[r] = _mm256_dpbusd_epi32(acc[r], wh, x1);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                               _mm256_broadcast_ss(&comb[r][g % 16]), tot[r]);
+  }
+  for (int r = 0; r < RT; ++r) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+  }
+}
+
+// y[r0:r1] for one activation row (P.M == 1) from its quantized form (`quantize`).
+template <bool VBMI>
+inline void rows_with(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
+  __m256i table;
+  const float step = level_table(P.codebook, &table);
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows) dot_rows<kRows, VBMI>(P, x, r, table, step);
+  for (; r < r1; ++r) dot_rows<1, VBMI>(P, x, r, table, step);
+}
+
+// vbmi: the CPU has AVX512-VBMI's vpermb (decodes a code without masking it first)
+inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1, bool vbmi) {
+  if (vbmi) rows_with<true>(P, x, r0, r1);
+  else rows_with<false>(P, x, r0, r1);
+}
+
+}  // namespace tqcpu::i8gemv
+
+#pragma GCC pop_options
+#endif
