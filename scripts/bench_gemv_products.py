@@ -1,13 +1,16 @@
-"""The CPU decode GEMV (one activation row) with float32 and with bf16 products, per width.
+"""The CPU decode GEMV (one activation row) with float32, bf16 and int8 products, per width.
 
-Usage: python scripts/bench_gemv_products.py [--threads 1] [--json FILE]
+Usage: python scripts/bench_gemv_products.py [--threads 1] [--isa avx2] [--json FILE]
 
 For SmolLM2's MLP shapes and Llama-3-8B's 4096x4096 and 14336x4096, at 4, 3 and 2 bits
 (group 128, no rotation, no outliers: the matmul alone), times `tq_kernels.cpu.linear`
 with gemm_min_batch=0 (the lookup-table GEMV) and gemm="fp32" or "bf16" (bf16 dot products
-where the CPU has AVX512-BF16, csrc/bf16_gemv.h; elsewhere both are float32), alternating,
-best of 9 loops. Reports microseconds, the ratio, and the packed bytes (codes and scales)
-read per second with bf16 products. The weights stay in cache between calls for the small
+where the CPU has AVX512-BF16, csrc/bf16_gemv.h; elsewhere both are float32), and for
+4-bit layers also with int8 products (csrc/int8_gemv.h: AVX512-VNNI, or the AVX2
+variant; `set_gemv_products`), alternating, best of 9 loops. Reports microseconds, the
+ratios to float32, and the packed bytes (codes and scales) read per second by the
+fastest. --isa names the variant (avx2 on an AVX-512 machine runs what an AVX2 CPU
+runs). The weights stay in cache between calls for the small
 shapes (a decode step reads them once per token, from L2/L3 on SmolLM2's 56 MB).
 """
 
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from tq_cli.quant.grouped import QuantizedTensor
 from tq_cli.quant.prepare import quantize
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels import cpu
@@ -43,6 +47,7 @@ def best_us(f: Callable[[], object], reps: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--isa", default=None, help="the kernel variant (default: the best)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -55,24 +60,35 @@ def main() -> int:
                          RotationSpec(kind="none"))
             x = torch.randn(1, n)
             us = {}
-            for products in ("fp32", "bf16"):
+            runs = [("fp32", "fp32", "bf16"), ("bf16", "bf16", "bf16")]
+            if bits == 4:
+                runs.append(("int8", "bf16", "int8"))
+            for name, gemm, gemv in runs:
                 kw = {"bits": bits, "group_size": 128, "out_features": out,
-                      "gemm_min_batch": 0, "gemm": products}
-                us[products] = best_us(
-                    lambda x=x, q=q, kw=kw: cpu.linear(  # type: ignore[misc]
-                        x, None, 0, q.codes, q.scales, q.codebook, None, None, None, **kw),
-                    max(3, int(2e7 / (out * n))))
+                      "gemm_min_batch": 0, "gemm": gemm, "isa": args.isa}
+
+                def call(x: torch.Tensor = x, q: QuantizedTensor = q, kw: dict = kw,
+                         gemv: str = gemv) -> torch.Tensor:
+                    return cpu.linear(x, None, 0, q.codes, q.scales, q.codebook, None, None,
+                                      None, **kw)
+
+                cpu.set_gemv_products(gemv)
+                us[name] = best_us(call, max(3, int(2e7 / (out * n))))
+            cpu.set_gemv_products(None)
             nbytes = q.codes.numel() + q.scales.numel() * 2
-            row = {"shape": f"{out}x{n}", "bits": bits, "fp32_us": round(us["fp32"], 1),
-                   "bf16_us": round(us["bf16"], 1), "speedup": round(us["fp32"] / us["bf16"], 2),
-                   "bf16_gb_s": round(nbytes / us["bf16"] / 1e3, 1),
-                   "products": cpu.gemv_products(bits, 128, n)}
+            fastest = min(us.values())
+            row = {"shape": f"{out}x{n}", "bits": bits,
+                   **{f"{k}_us": round(v, 1) for k, v in us.items()},
+                   **{f"{k}_speedup": round(us["fp32"] / v, 2) for k, v in us.items()
+                      if k != "fp32"},
+                   "fastest_gb_s": round(nbytes / fastest / 1e3, 1)}
             rows.append(row)
-            print(f"{row['shape']:>10} {bits}-bit: fp32 {row['fp32_us']:8.1f} us, "
-                  f"{row['products']} {row['bf16_us']:8.1f} us (x{row['speedup']}), "
-                  f"{row['bf16_gb_s']} GB/s", flush=True)
+            print(f"{row['shape']:>10} {bits}-bit: " + ", ".join(
+                f"{k} {v:8.1f} us" + (f" (x{us['fp32'] / v:.2f})" if k != "fp32" else "")
+                for k, v in us.items()) + f"; fastest {row['fastest_gb_s']} GB/s", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "isa": cpu.active_isa(),
+        args.json.write_text(json.dumps({"threads": args.threads,
+                                         "isa": args.isa or cpu.active_isa(),
                                          "rows": rows}, indent=2))
     return 0
 

@@ -93,6 +93,13 @@ def _int8_parts(xr: torch.Tensor, codebook: torch.Tensor, group: int
     return out, torch.round(codebook.float() / step).clamp(-127, 127), step
 
 
+def _int8_variant(isa: str) -> bool:
+    """Whether a one-row 4-bit GEMV named to run `isa` takes int8 products: AVX2 always,
+    AVX-512 where it is the process's variant and the CPU has VNNI."""
+    return isa == "avx2" or (isa == "avx512" and cpu.active_isa() == "avx512"
+                             and cpu.native_int8_gemv())
+
+
 def _int8_rounding(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | None,
                    block: int) -> torch.Tensor:
     """How far int8 products move each output: each activation by at most half its
@@ -142,8 +149,8 @@ def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch
                      q.outlier_val, bias, bits=bits, group_size=group, out_features=OUT,
                      isa=isa, gemm_min_batch=0 if path == "gemv" else 1, gemm=gemm)
     slack: torch.Tensor | float = 0.0
-    int8 = (isa == "avx512" and batch == 1 and bits == 4 and n % 64 == 0 and group % 64 == 0
-            and cpu.native_int8_gemv() and cpu.gemv_choice() == "int8")
+    int8 = (batch == 1 and bits == 4 and n % 64 == 0 and group % 64 == 0
+            and cpu.gemv_choice() == "int8" and _int8_variant(isa))
     if gemm == "bf16" and path == "gemv" and int8:
         slack = _int8_rounding(x, q, signs, 64)
     elif gemm == "bf16" and path == "gemv":
@@ -198,14 +205,16 @@ def test_bf16_gemv_matches_an_emulation(bits: int, n: int, bf16_gemv: None) -> N
             ] == ["fp32"] * 4
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize(("n", "group"), [(576, 64), (576, 128), (1536, 128), (640, 256)])
-def test_int8_gemv_matches_an_emulation(n: int, group: int) -> None:
+def test_int8_gemv_matches_an_emulation(isa: str, n: int, group: int) -> None:
     """A decode step's 4-bit GEMV with int8 products (csrc/int8_gemv.h, the default on
-    AVX512-VNNI CPUs) is the float32 sum of the int8-rounded activations and levels,
-    scaled per group, the outliers on the float32 x_rot: to float32 accumulation. With
-    bf16 products asked for instead, the same call is not."""
-    if not cpu.native_int8_gemv():
-        pytest.skip("this CPU has no AVX512-VNNI: the 4-bit GEMV takes bf16 products")
+    AVX512-VNNI CPUs and in the AVX2 variant) is the float32 sum of the int8-rounded
+    activations and levels, scaled per group, the outliers on the float32 x_rot: to
+    float32 accumulation. With bf16 products asked for instead, the same call is not."""
+    _runs(isa)
+    if not _int8_variant(isa):
+        pytest.skip(f"the {isa} variant takes no int8 products in this process")
     q = _quantized(4, n, group)
     g = torch.Generator().manual_seed(n + group)
     x = torch.randn(1, n, generator=g)
@@ -216,7 +225,7 @@ def test_int8_gemv_matches_an_emulation(n: int, group: int) -> None:
     def run() -> torch.Tensor:
         return cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
                           q.outlier_val, bias, bits=4, group_size=group, out_features=OUT,
-                          gemm_min_batch=0, gemm="bf16")
+                          isa=isa, gemm_min_batch=0, gemm="bf16")
 
     got = run()
     xr = cpu.rotate(x, signs, 64)
@@ -230,28 +239,34 @@ def test_int8_gemv_matches_an_emulation(n: int, group: int) -> None:
                                  levels.double().abs() * float(step), **args)
     err = (got.double() - want).abs()
     assert bool((err <= 1e-6 * w + 1e-6 * want.abs()).all()), float((err / w).max())
-    assert cpu.gemv_products(4, group, n) == "int8"
+    if isa == cpu.active_isa():
+        assert cpu.gemv_products(4, group, n) == "int8"
     exact = _want(x, q, signs, 64, bias).double()
     assert bool(((got.double() - exact).abs() <= _int8_rounding(x, q, signs, 64)).all())
     cpu.set_gemv_products("bf16")
     try:
-        assert cpu.gemv_products(4, group, n) == ("bf16" if cpu.native_bf16_gemm() else "fp32")
+        if isa == cpu.active_isa():
+            assert cpu.gemv_products(4, group, n) == (
+                "bf16" if isa == "avx512" and cpu.native_bf16_gemm() else "fp32")
         assert not bool(((run().double() - want).abs() <= 1e-6 * w + 1e-6 * want.abs()).all())
     finally:
         cpu.set_gemv_products(None)
 
 
-def test_int8_gemv_propagates_a_nan() -> None:
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_int8_gemv_propagates_a_nan(isa: str) -> None:
     """A NaN or infinite activation gives NaN outputs, as float32 products would, instead
     of a scale that silently drops its group."""
-    if not cpu.native_int8_gemv():
-        pytest.skip("this CPU has no AVX512-VNNI")
+    _runs(isa)
+    if not _int8_variant(isa):
+        pytest.skip(f"the {isa} variant takes no int8 products in this process")
     q = _quantized(4, 576, 64)
     for bad in (float("nan"), float("inf")):
         x = torch.randn(1, 576)
         x[0, 100] = bad
         y = cpu.linear(x, None, 64, q.codes, q.scales, q.codebook, None, None, None, bits=4,
-                       group_size=64, out_features=OUT, gemm_min_batch=0, gemm="bf16")
+                       group_size=64, out_features=OUT, isa=isa, gemm_min_batch=0,
+                       gemm="bf16")
         assert bool(y.isnan().all()), bad
 
 

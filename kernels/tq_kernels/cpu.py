@@ -12,10 +12,10 @@ the 4-bit weight's own error (docs/decisions.md). `TQ_CPU_GEMM=fp32` keeps float
 products for a process, `set_gemm_precision()` switches from Python, `gemm_precision()`
 says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap it.
 Decode-sized batches take the lookup-table GEMV in float32, except one activation row of
-a 2-4-bit layer on the AVX-512 variant, which takes faster products under the same
-switch: int8 ones for 4-bit layers on CPUs with AVX512-VNNI (csrc/int8_gemv.h,
-llama.cpp's way: activations rounded to int8 per group), bf16 ones on AVX512-BF16 CPUs
-otherwise (csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate). `TQ_CPU_GEMV=bf16` (or
+a 2-4-bit layer, which takes faster products where the CPU has them, under the same
+switch: int8 ones for 4-bit layers on CPUs with AVX512-VNNI and in the AVX2 variant
+(csrc/int8_gemv.h, llama.cpp's way: activations rounded to int8 per group), bf16 ones on
+AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate). `TQ_CPU_GEMV=bf16` (or
 `set_gemv_products("bf16")`) keeps bf16 products for the 4-bit GEMV too;
 `gemv_products` says which runs.
 
@@ -175,8 +175,8 @@ def set_gemv_products(products: str | None) -> None:
 
 
 def native_int8_gemv() -> bool:
-    """Whether this CPU has AVX512-VNNI's int8 dot products and TQ_CPU_ISA does not cap the
-    kernel below avx512 (the int8 GEMV needs both)."""
+    """Whether the int8 GEMV runs in this process's variant: AVX-512 with AVX512-VNNI's
+    int8 dot products, or AVX2 (vpmaddubsw; a CPU without AVX-512, or TQ_CPU_ISA=avx2)."""
     _require()
     return bool(torch.ops.tq_cpu.int8_gemv())
 
@@ -198,18 +198,20 @@ def gemm_precision() -> str:
 def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1) -> str:
     """The product precision of a GEMV (below GEMM_MIN_BATCH rows) now, for one activation
     row of a 2-, 3- or 4-bit layer whose group size and width hold whole 64-code chunks,
-    on the AVX-512 variant, while bf16 products are asked for (`set_gemm_precision`):
-    "int8" for a 4-bit one with groups of at most 2048 on a CPU with AVX512-VNNI while
-    the GEMV's products are int8 (`set_gemv_products`, csrc/int8_gemv.h), else "bf16" on
-    a CPU with bf16 dot products (csrc/bf16_gemv.h); "fp32" otherwise."""
+    while bf16 products are asked for (`set_gemm_precision`): "int8" for a 4-bit one with
+    groups of at most 2048, on the AVX2 variant or the AVX-512 one of a CPU with
+    AVX512-VNNI, while the GEMV's products are int8 (`set_gemv_products`,
+    csrc/int8_gemv.h); else "bf16" on the AVX-512 variant of a CPU with bf16 dot products
+    (csrc/bf16_gemv.h); "fp32" otherwise."""
+    isa = kernel_isa(bits, group_size)
     fits = (batch == 1 and 2 <= bits <= 4 and group_size % 64 == 0 and in_features % 64 == 0
-            and kernel_isa(bits, group_size) == "avx512")
+            and isa in ("avx512", "avx2"))
     if not (fits and _fast_requested()):
         return "fp32"
     if (bits == 4 and group_size <= 2048 and _gemv_choice() == "int8"
-            and native_int8_gemv()):
+            and (isa == "avx2" or native_int8_gemv())):
         return "int8"
-    return "bf16" if native_bf16_gemm() else "fp32"
+    return "bf16" if isa == "avx512" and native_bf16_gemm() else "fp32"
 
 
 def set_gemm_precision(precision: str | None) -> None:

@@ -29,9 +29,6 @@
 
 #include "common.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c")
-
 namespace tqcpu::i8gemv {
 
 constexpr int64_t kChunk = 64;
@@ -51,20 +48,27 @@ struct Row {
   int32_t* sum;
 };
 
-// The levels as int8 on the step max|level| / 127, plus 128, in both 128-bit lanes (vpshufb
-// reads each lane's own 16 bytes). Returns the step.
-inline float level_table(const float* cb, __m256i* table) {
+// The levels as int8 on the step max|level| / 127, plus offset (128: unsigned, for
+// vpdpbusd; 0: signed), twice over: both 128-bit lanes of a vpshufb table. Returns the
+// step. (Compiled for any x86-64: the AVX2 variant calls it too.)
+inline float level_table(const float* cb, uint8_t* table, int offset) {
   float m = 0.f;
   for (int k = 0; k < 16; ++k) m = std::max(m, std::fabs(cb[k]));
   const float step = m > 0.f ? m / 127.f : 1.f;
-  alignas(32) uint8_t t[32];
   for (int k = 0; k < 16; ++k) {
     const float q = std::nearbyint(cb[k] / step);
-    t[k] = t[k + 16] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + 128);
+    table[k] = table[k + 16] =
+        static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + offset);
   }
-  std::memcpy(table, t, 32);
   return step;
 }
+
+}  // namespace tqcpu::i8gemv
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c")
+
+namespace tqcpu::i8gemv {
 
 // xr (rotated, natural order, n floats) -> row: per group, scale = max|x| / 127 and
 // q = round(x / scale) (to nearest even), even positions of each 64-value chunk first.
@@ -163,8 +167,9 @@ inline void dot_rows(const Problem& P, const Row& x, int64_t row, __m256i table,
 // y[r0:r1] for one activation row (P.M == 1) from its quantized form (`quantize`).
 template <bool VBMI>
 inline void rows_with(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
-  __m256i table;
-  const float step = level_table(P.codebook, &table);
+  alignas(32) uint8_t bytes[32];
+  const float step = level_table(P.codebook, bytes, 128);
+  const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
   int64_t r = r0;
   for (; r + kRows <= r1; r += kRows) dot_rows<kRows, VBMI>(P, x, r, table, step);
   for (; r < r1; ++r) dot_rows<1, VBMI>(P, x, r, table, step);
@@ -177,6 +182,98 @@ inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1, bool vb
 }
 
 }  // namespace tqcpu::i8gemv
+
+#pragma GCC pop_options
+
+// The AVX2 variant, for CPUs without AVX-512: the same activations and levels, multiplied
+// as llama.cpp does without VNNI: vpmaddubsw of |level| and x carrying the level's sign
+// (vpsignb), pairs to int32 by vpmaddwd. |level|, |x| <= 127 keep the int16 pair sums
+// below 2^15, and signed levels need no offset.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace tqcpu::i8gemv::avx2 {
+
+// The same rounding as `quantize` (float32 product, to nearest even), one value at a time.
+inline void quantize(const Problem& P, const float* xr, const Row& row) {
+  for (int64_t g = 0; g < P.groups; ++g) {
+    const int64_t c0 = g * P.group, c1 = std::min(P.n, c0 + P.group);
+    float m = 0.f;
+    bool bad = false;
+    for (int64_t c = c0; c < c1; ++c) {
+      m = std::max(m, std::fabs(xr[c]));
+      bad = bad || !std::isfinite(xr[c]);
+    }
+    const float inv = m > 0.f ? 127.f / m : 0.f;
+    int32_t sum = 0;
+    for (int64_t c = c0; c < c1; c += kChunk)
+      for (int64_t k = 0; k < kChunk; ++k) {
+        const float v = std::clamp(std::nearbyint(xr[c + k] * inv), -127.f, 127.f);
+        const int64_t at = c + (k % 2) * (kChunk / 2) + k / 2;  // even positions first
+        row.q[at] = static_cast<int8_t>(bad ? 0.f : v);
+        sum += row.q[at];
+      }
+    row.scale[g] = bad ? NAN : m > 0.f ? m / 127.f : 0.f;
+    row.sum[g] = sum;
+  }
+}
+
+template <int RT>
+inline void dot_rows(const Problem& P, const Row& x, int64_t row, __m256i table, float step) {
+  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* rp[RT];
+  const uint16_t* sp[RT];
+  __m256 tot[RT];
+  for (int r = 0; r < RT; ++r) {
+    rp[r] = P.codes + (row + r) * P.row_bytes;
+    sp[r] = P.scales + (row + r) * groups;
+    tot[r] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c0 = g * group;
+    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
+    for (int r = 0; r < RT; ++r)
+      for (int64_t off = 0; off < group / 2; off += 64)
+        __builtin_prefetch(rp[r] + c0 / 2 + kPrefetch + off, 0, 2);
+    __m256i acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t at = c0 + c * kChunk;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at + 32));
+      for (int r = 0; r < RT; ++r) {
+        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r] + at / 2));
+        const __m256i wl = _mm256_shuffle_epi8(table, _mm256_and_si256(d, low4));
+        const __m256i wh = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(d, 4), low4));
+        const __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(x0, wl));
+        const __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(x1, wh));
+        // each pair sum is below 2^15, two of them are not: widen before adding
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
+                                                           _mm256_madd_epi16(ph, ones)));
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                               _mm256_set1_ps(_cvtsh_ss(sp[r][g]) * x.scale[g]), tot[r]);
+  }
+  for (int r = 0; r < RT; ++r) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+  }
+}
+
+inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
+  alignas(32) uint8_t bytes[32];
+  const float step = level_table(P.codebook, bytes, 0);
+  const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows) dot_rows<kRows>(P, x, r, table, step);
+  for (; r < r1; ++r) dot_rows<1>(P, x, r, table, step);
+}
+
+}  // namespace tqcpu::i8gemv::avx2
 
 #pragma GCC pop_options
 #endif

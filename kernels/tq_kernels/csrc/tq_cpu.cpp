@@ -320,13 +320,14 @@ bool has_vnni() {
 }
 
 // Whether a GEMV runs with int8 products: one activation row of a layer it fits, the
-// AVX-512 variant on a CPU with VNNI (with or without bf16 dot products), asked for, and
+// AVX-512 variant on a CPU with VNNI (with or without bf16 dot products) or the AVX2 one
+// (vpmaddubsw), asked for, and
 // the fast products class asked for (bf16_gemm: TQ_CPU_GEMM=fp32 keeps float32 products
 // everywhere).
 bool int8_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
 #ifdef TQ_INT8_GEMV
-  return M == 1 && bf16 && gemv_int8.load(std::memory_order_relaxed) && l.eisa == kAvx512 &&
-         has_vnni() && i8gemv::fits(P);
+  return M == 1 && bf16 && gemv_int8.load(std::memory_order_relaxed) && i8gemv::fits(P) &&
+         ((l.eisa == kAvx512 && has_vnni()) || l.eisa == kAvx2);
 #else
   (void)P, (void)l, (void)M, (void)bf16;
   return false;
@@ -385,10 +386,12 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
     if (xq.size() < static_cast<size_t>(n)) xq.resize(n);
     if (xs.size() < static_cast<size_t>(P.groups)) xs.resize(P.groups), xsum.resize(P.groups);
     const i8gemv::Row row{xq.data(), xs.data(), xsum.data()};
-    i8gemv::quantize(P, xr, row);
-    const bool vbmi = has_vbmi();
+    const bool wide = l.eisa == kAvx512, vbmi = has_vbmi();
+    if (wide) i8gemv::quantize(P, xr, row);
+    else i8gemv::avx2::quantize(P, xr, row);
     at::parallel_for(0, out, row_grain(n, M), [&](int64_t r0, int64_t r1) {
-      i8gemv::rows(P, row, r0, r1, vbmi);
+      if (wide) i8gemv::rows(P, row, r0, r1, vbmi);
+      else i8gemv::avx2::rows(P, row, r0, r1);
       epilogue(P, xr, o, bp, r0, r1);
     });
 #endif
@@ -440,7 +443,15 @@ void set_isa_cap(int64_t isa) { isa_cap.store(static_cast<int>(isa), std::memory
 
 bool bf16_gemm() { return bf16_products(); }
 
-bool int8_gemv_native() { return has_vnni(); }
+// Whether the int8 GEMV runs in this process's variant: AVX-512 with VNNI, or AVX2 (a CPU
+// without AVX-512, or TQ_CPU_ISA=avx2; a layer named to run AVX2 takes it anywhere).
+bool int8_gemv_native() {
+#ifdef TQ_INT8_GEMV
+  return has_vnni() || run_isa() == kAvx2;
+#else
+  return false;
+#endif
+}
 
 void set_gemv_int8(bool on) { gemv_int8.store(on, std::memory_order_relaxed); }
 
