@@ -15,9 +15,9 @@ Decode-sized batches take the lookup-table GEMV in float32, except one activatio
 a 2-4-bit layer, which takes faster products where the CPU has them, under the same
 switch: int8 ones for 4-bit layers on CPUs with AVX512-VNNI and in the AVX2 variant
 (csrc/int8_gemv.h, llama.cpp's way: activations rounded to int8 per group), bf16 ones on
-AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate). `TQ_CPU_GEMV=bf16` (or
-`set_gemv_products("bf16")`) keeps bf16 products for the 4-bit GEMV too;
-`gemv_products` says which runs.
+AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate).
+`TQ_CPU_GEMV=bf16` (or `set_gemv_products("bf16")`) keeps bf16 products for the 4-bit
+GEMV too; `gemv_products` says which runs.
 
 Variants are named by instruction set: "avx512", "avx2", "scalar". The best one the CPU
 supports is used; `TQ_CPU_ISA=avx2` (or `scalar`) caps it for a process, and tests pass
