@@ -93,11 +93,13 @@ def _int8_parts(xr: torch.Tensor, codebook: torch.Tensor, group: int
     return out, torch.round(codebook.float() / step).clamp(-127, 127), step
 
 
-def _int8_variant(isa: str) -> bool:
-    """Whether a one-row 4-bit GEMV named to run `isa` takes int8 products: AVX2 always,
-    AVX-512 where it is the process's variant and the CPU has VNNI."""
-    return isa == "avx2" or (isa == "avx512" and cpu.active_isa() == "avx512"
-                             and cpu.native_int8_gemv())
+def _int8_variant(isa: str, bits: int) -> bool:
+    """Whether a one-row GEMV of this width named to run `isa` takes int8 products: 4-bit
+    in AVX2 always; in AVX-512 where it is the process's variant and the CPU has VNNI (and
+    VBMI, at 2 and 3 bits)."""
+    if isa == "avx2":
+        return bits == 4
+    return isa == "avx512" and cpu.active_isa() == "avx512" and cpu.native_int8_gemv(bits)
 
 
 def _int8_rounding(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | None,
@@ -149,8 +151,8 @@ def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch
                      q.outlier_val, bias, bits=bits, group_size=group, out_features=OUT,
                      isa=isa, gemm_min_batch=0 if path == "gemv" else 1, gemm=gemm)
     slack: torch.Tensor | float = 0.0
-    int8 = (batch == 1 and bits == 4 and n % 64 == 0 and group % 64 == 0
-            and cpu.gemv_choice() == "int8" and _int8_variant(isa))
+    int8 = (batch == 1 and n % 64 == 0 and group % 64 == 0 and cpu.gemv_choice() == "int8"
+            and _int8_variant(isa, bits))
     if gemm == "bf16" and path == "gemv" and int8:
         slack = _int8_rounding(x, q, signs, 64)
     elif gemm == "bf16" and path == "gemv":
@@ -206,16 +208,17 @@ def test_bf16_gemv_matches_an_emulation(bits: int, n: int, bf16_gemv: None) -> N
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize(("n", "group"), [(576, 64), (576, 128), (1536, 128), (640, 256)])
-def test_int8_gemv_matches_an_emulation(isa: str, n: int, group: int) -> None:
-    """A decode step's 4-bit GEMV with int8 products (csrc/int8_gemv.h, the default on
-    AVX512-VNNI CPUs and in the AVX2 variant) is the float32 sum of the int8-rounded
+def test_int8_gemv_matches_an_emulation(isa: str, bits: int, n: int, group: int) -> None:
+    """A decode step's 2-4-bit GEMV with int8 products (csrc/int8_gemv.h, the default on
+    AVX512-VNNI CPUs and for 4 bits in the AVX2 variant) is the float32 sum of the int8-rounded
     activations and levels, scaled per group, the outliers on the float32 x_rot: to
     float32 accumulation. With bf16 products asked for instead, the same call is not."""
     _runs(isa)
-    if not _int8_variant(isa):
-        pytest.skip(f"the {isa} variant takes no int8 products in this process")
-    q = _quantized(4, n, group)
+    if not _int8_variant(isa, bits):
+        pytest.skip(f"the {isa} variant takes no int8 products at {bits} bits in this process")
+    q = _quantized(bits, n, group)
     g = torch.Generator().manual_seed(n + group)
     x = torch.randn(1, n, generator=g)
     x[0, 5] = 9.0  # one large value: its group's step is 4x the others'
@@ -224,13 +227,13 @@ def test_int8_gemv_matches_an_emulation(isa: str, n: int, group: int) -> None:
 
     def run() -> torch.Tensor:
         return cpu.linear(x, signs, 64, q.codes, q.scales, q.codebook, q.outlier_idx,
-                          q.outlier_val, bias, bits=4, group_size=group, out_features=OUT,
-                          isa=isa, gemm_min_batch=0, gemm="bf16")
+                          q.outlier_val, bias, bits=bits, group_size=group,
+                          out_features=OUT, isa=isa, gemm_min_batch=0, gemm="bf16")
 
     got = run()
     xr = cpu.rotate(x, signs, 64)
     xq, levels, step = _int8_parts(xr, q.codebook, group)
-    args = {"bits": 4, "group_size": group, "out_features": OUT, "in_features": n}
+    args = {"bits": bits, "group_size": group, "out_features": OUT, "in_features": n}
     y = reference.grouped_matmul(xq, q.codes, q.scales.double(), levels.double() * float(step),
                                  **args)
     want = reference.add_outliers(y, xr.double(), q.outlier_idx, q.outlier_val.double(), n)
@@ -240,13 +243,13 @@ def test_int8_gemv_matches_an_emulation(isa: str, n: int, group: int) -> None:
     err = (got.double() - want).abs()
     assert bool((err <= 1e-6 * w + 1e-6 * want.abs()).all()), float((err / w).max())
     if isa == cpu.active_isa():
-        assert cpu.gemv_products(4, group, n) == "int8"
+        assert cpu.gemv_products(bits, group, n) == "int8"
     exact = _want(x, q, signs, 64, bias).double()
     assert bool(((got.double() - exact).abs() <= _int8_rounding(x, q, signs, 64)).all())
     cpu.set_gemv_products("bf16")
     try:
         if isa == cpu.active_isa():
-            assert cpu.gemv_products(4, group, n) == (
+            assert cpu.gemv_products(bits, group, n) == (
                 "bf16" if isa == "avx512" and cpu.native_bf16_gemm() else "fp32")
         assert not bool(((run().double() - want).abs() <= 1e-6 * w + 1e-6 * want.abs()).all())
     finally:
@@ -258,7 +261,7 @@ def test_int8_gemv_propagates_a_nan(isa: str) -> None:
     """A NaN or infinite activation gives NaN outputs, as float32 products would, instead
     of a scale that silently drops its group."""
     _runs(isa)
-    if not _int8_variant(isa):
+    if not _int8_variant(isa, 4):
         pytest.skip(f"the {isa} variant takes no int8 products in this process")
     q = _quantized(4, 576, 64)
     for bad in (float("nan"), float("inf")):

@@ -13,11 +13,11 @@ products for a process, `set_gemm_precision()` switches from Python, `gemm_preci
 says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap it.
 Decode-sized batches take the lookup-table GEMV in float32, except one activation row of
 a 2-4-bit layer, which takes faster products where the CPU has them, under the same
-switch: int8 ones for 4-bit layers on CPUs with AVX512-VNNI and in the AVX2 variant
-(csrc/int8_gemv.h, llama.cpp's way: activations rounded to int8 per group), bf16 ones on
-AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate).
-`TQ_CPU_GEMV=bf16` (or `set_gemv_products("bf16")`) keeps bf16 products for the 4-bit
-GEMV too; `gemv_products` says which runs.
+switch: int8 ones on CPUs with AVX512-VNNI (2- and 3-bit layers also need VBMI) and for
+4-bit layers in the AVX2 variant (csrc/int8_gemv.h, llama.cpp's way: activations rounded
+to int8 per group), bf16 ones on AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x
+the float32 GEMV's rate). `TQ_CPU_GEMV=bf16` (or `set_gemv_products("bf16")`) keeps bf16
+products instead of int8 ones; `gemv_products` says which runs.
 
 Variants are named by instruction set: "avx512", "avx2", "scalar". The best one the CPU
 supports is used; `TQ_CPU_ISA=avx2` (or `scalar`) caps it for a process, and tests pass
@@ -151,7 +151,7 @@ def _gemv_choice() -> str:
 
 
 def gemv_choice() -> str:
-    """The products asked for in the one-row GEMV of 4-bit layers: "int8" or "bf16"
+    """The products asked for in the one-row GEMV of 2-4-bit layers: "int8" or "bf16"
     (`set_gemv_products`, TQ_CPU_GEMV); `gemv_products` says what a layer runs."""
     return _gemv_choice()
 
@@ -161,10 +161,10 @@ def _sync_gemv() -> None:
 
 
 def set_gemv_products(products: str | None) -> None:
-    """Ask for "int8" (the default) or "bf16" products in the one-row GEMV of 4-bit
-    layers from now on, in this process, while gemm_precision() asks for bf16 ones (int8
-    still needs AVX512-VNNI); None goes back to TQ_CPU_GEMV or the default. Unlike the
-    GEMM's precision, a compiled decode step follows this at once."""
+    """Ask for "int8" (the default) or "bf16" products in the one-row GEMV of 2-4-bit
+    layers from now on, in this process, while bf16 products are asked for (int8 still
+    needs the CPU's support, `native_int8_gemv`); None goes back to TQ_CPU_GEMV or the
+    default. Unlike the GEMM's precision, a compiled decode step follows this at once."""
     global _gemv_requested
     if products is not None and products not in GEMV_PRODUCTS:
         raise ValueError(f"products must be one of {', '.join(GEMV_PRODUCTS)}, "
@@ -174,11 +174,12 @@ def set_gemv_products(products: str | None) -> None:
     _sync_gemv()
 
 
-def native_int8_gemv() -> bool:
-    """Whether the int8 GEMV runs in this process's variant: AVX-512 with AVX512-VNNI's
-    int8 dot products, or AVX2 (vpmaddubsw; a CPU without AVX-512, or TQ_CPU_ISA=avx2)."""
+def native_int8_gemv(bits: int = 4) -> bool:
+    """Whether the int8 GEMV runs in this process's variant for this width: 4-bit on
+    AVX-512 with AVX512-VNNI's int8 dot products or on AVX2 (vpmaddubsw; a CPU without
+    AVX-512, or TQ_CPU_ISA=avx2); 2- and 3-bit on AVX-512 with VNNI and VBMI."""
     _require()
-    return bool(torch.ops.tq_cpu.int8_gemv())
+    return bool(torch.ops.tq_cpu.int8_gemv(bits))
 
 
 def native_bf16_gemm() -> bool:
@@ -198,18 +199,17 @@ def gemm_precision() -> str:
 def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1) -> str:
     """The product precision of a GEMV (below GEMM_MIN_BATCH rows) now, for one activation
     row of a 2-, 3- or 4-bit layer whose group size and width hold whole 64-code chunks,
-    while bf16 products are asked for (`set_gemm_precision`): "int8" for a 4-bit one with
-    groups of at most 2048, on the AVX2 variant or the AVX-512 one of a CPU with
-    AVX512-VNNI, while the GEMV's products are int8 (`set_gemv_products`,
-    csrc/int8_gemv.h); else "bf16" on the AVX-512 variant of a CPU with bf16 dot products
-    (csrc/bf16_gemv.h); "fp32" otherwise."""
+    while bf16 products are asked for (`set_gemm_precision`): "int8" with groups of at
+    most 2048 where `native_int8_gemv(bits)` (4-bit also in any AVX2 variant) while the
+    GEMV's products are int8 (`set_gemv_products`, csrc/int8_gemv.h); else "bf16" on the
+    AVX-512 variant of a CPU with bf16 dot products (csrc/bf16_gemv.h); "fp32" otherwise."""
     isa = kernel_isa(bits, group_size)
     fits = (batch == 1 and 2 <= bits <= 4 and group_size % 64 == 0 and in_features % 64 == 0
             and isa in ("avx512", "avx2"))
     if not (fits and _fast_requested()):
         return "fp32"
-    if (bits == 4 and group_size <= 2048 and _gemv_choice() == "int8"
-            and (isa == "avx2" or native_int8_gemv())):
+    if group_size <= 2048 and _gemv_choice() == "int8" and (
+            (isa == "avx2" and bits == 4) or (isa == "avx512" and native_int8_gemv(bits))):
         return "int8"
     return "bf16" if isa == "avx512" and native_bf16_gemm() else "fp32"
 

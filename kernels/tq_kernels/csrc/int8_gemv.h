@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -35,9 +36,10 @@ constexpr int64_t kChunk = 64;
 constexpr int kRows = 4;             // weight rows per pass over x
 constexpr int64_t kPrefetch = 8192;  // as rows.inc: bytes ahead of each row's group
 
-inline bool fits(const Problem& P) {
-  return P.bits == 4 && P.n % kChunk == 0 && P.group % kChunk == 0 && P.group <= 2048 &&
-         P.affine == nullptr;
+// small: 2- and 3-bit layers too (the AVX-512 variant with VBMI)
+inline bool fits(const Problem& P, bool small) {
+  return (P.bits == 4 || (small && (P.bits == 2 || P.bits == 3))) && P.n % kChunk == 0 &&
+         P.group % kChunk == 0 && P.group <= 2048 && P.affine == nullptr;
 }
 
 // The activation row, quantized: q [n] in the chunk layout above, per group its scale and
@@ -48,19 +50,27 @@ struct Row {
   int32_t* sum;
 };
 
-// The levels as int8 on the step max|level| / 127, plus offset (128: unsigned, for
-// vpdpbusd; 0: signed), twice over: both 128-bit lanes of a vpshufb table. Returns the
+// The 2**bits levels as int8 on the step max|level| / 127, plus offset (128: unsigned, for
+// vpdpbusd; 0: signed), repeated over 32 entries: both 128-bit lanes of a vpshufb table,
+// or a vpermb table whose index bits above the code's own are don't-cares. Returns the
 // step. (Compiled for any x86-64: the AVX2 variant calls it too.)
-inline float level_table(const float* cb, uint8_t* table, int offset) {
+inline float level_table(const float* cb, int bits, uint8_t* table, int offset) {
+  const int levels = 1 << bits;
   float m = 0.f;
-  for (int k = 0; k < 16; ++k) m = std::max(m, std::fabs(cb[k]));
+  for (int k = 0; k < levels; ++k) m = std::max(m, std::fabs(cb[k]));
   const float step = m > 0.f ? m / 127.f : 1.f;
-  for (int k = 0; k < 16; ++k) {
-    const float q = std::nearbyint(cb[k] / step);
-    table[k] = table[k + 16] =
-        static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + offset);
+  for (int k = 0; k < 32; ++k) {
+    const float q = std::nearbyint(cb[k % levels] / step);
+    table[k] = static_cast<uint8_t>(static_cast<int>(std::clamp(q, -127.f, 127.f)) + offset);
   }
   return step;
+}
+
+// Where value k of a 64-value chunk goes in the quantized row: 4-bit, even positions then
+// odd ones (a byte's low and high nibble); 2- and 3-bit, four runs of 16, run i holding
+// positions 4j + i (a plane-0 byte's four codes), as bf16_gemv.h's layouts.
+inline int64_t chunk_pos(int bits, int64_t k) {
+  return bits == 4 ? (k % 2) * 32 + k / 2 : (k % 4) * 16 + k / 4;
 }
 
 }  // namespace tqcpu::i8gemv
@@ -71,11 +81,14 @@ inline float level_table(const float* cb, uint8_t* table, int offset) {
 namespace tqcpu::i8gemv {
 
 // xr (rotated, natural order, n floats) -> row: per group, scale = max|x| / 127 and
-// q = round(x / scale) (to nearest even), even positions of each 64-value chunk first.
+// q = round(x / scale) (to nearest even), each 64-value chunk in `chunk_pos` order.
 inline void quantize(const Problem& P, const float* xr, const Row& row) {
   alignas(64) static constexpr int32_t even[16] = {0, 2, 4, 6, 8, 10, 12, 14,
                                                    16, 18, 20, 22, 24, 26, 28, 30};
+  alignas(64) static constexpr int32_t stride4[16] = {0, 4, 8, 12, 16, 20, 24, 28,
+                                                      0, 4, 8, 12, 16, 20, 24, 28};
   const __m512i e = _mm512_load_si512(even), o = _mm512_add_epi32(e, _mm512_set1_epi32(1));
+  const __m512i s4 = _mm512_load_si512(stride4);
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t g = 0; g < P.groups; ++g) {
     const int64_t c0 = g * P.group, c1 = std::min(P.n, c0 + P.group);
@@ -92,8 +105,17 @@ inline void quantize(const Problem& P, const float* xr, const Row& row) {
     for (int64_t c = c0; c < c1; c += kChunk) {
       const __m512 a = _mm512_loadu_ps(xr + c), b = _mm512_loadu_ps(xr + c + 16);
       const __m512 d = _mm512_loadu_ps(xr + c + 32), f = _mm512_loadu_ps(xr + c + 48);
-      const __m512 parts[4] = {_mm512_permutex2var_ps(a, e, b), _mm512_permutex2var_ps(d, e, f),
-                               _mm512_permutex2var_ps(a, o, b), _mm512_permutex2var_ps(d, o, f)};
+      __m512 parts[4];
+      if (P.bits == 4) {
+        parts[0] = _mm512_permutex2var_ps(a, e, b), parts[1] = _mm512_permutex2var_ps(d, e, f);
+        parts[2] = _mm512_permutex2var_ps(a, o, b), parts[3] = _mm512_permutex2var_ps(d, o, f);
+      } else {
+        for (int k = 0; k < 4; ++k) {
+          const __m512i idx = _mm512_add_epi32(s4, _mm512_set1_epi32(k));
+          parts[k] = _mm512_shuffle_f32x4(_mm512_permutex2var_ps(a, idx, b),
+                                          _mm512_permutex2var_ps(d, idx, f), 0x44);
+        }
+      }
       for (int k = 0; k < 4; ++k) {
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(parts[k], vi));
         sum = _mm512_add_epi32(sum, q);
@@ -164,18 +186,112 @@ inline void dot_rows(const Problem& P, const Row& x, int64_t row, __m256i table,
   }
 }
 
+// 2- and 3-bit codes, 64 a chunk: plane-0 byte j holds codes 4j + i at bits 2i; plane 1
+// (3-bit) holds bit 2 of codes 4j..4j+3 in nibble j (bf16_gemv.h's decode_small). The 16
+// plane-0 bytes go to both 128-bit lanes, shifted per lane so that a lane's bytes have
+// run i's code in bits 0-1 (runs 0 and 1 in one vector, 2 and 3 in the other, as the
+// activations); at 3 bits vpmultishiftqb moves each code's bit 2 from plane 1 to bit 2
+// of its byte, and a ternary select joins them. vpermb reads 5 index bits and
+// the table repeats the levels, so the bits above the code's are never masked.
+// Byte b of run first + b / 16 takes plane 1's bit 4 (b % 16) + first + b / 16 to bit 2.
+constexpr std::array<int8_t, 32> plane1_offsets(int first) {
+  std::array<int8_t, 32> o{};
+  for (int b = 0; b < 32; ++b) o[b] = static_cast<int8_t>((4 * (b % 16) + first + b / 16 - 2) & 63);
+  return o;
+}
+
+template <int BITS, int RT>
+inline void dot_rows_small(const Problem& P, const Row& x, int64_t row, __m256i table,
+                           float step) {
+  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
+  const __m256i s01 = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+  const __m256i s23 = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
+  // plane 1's 64 bits (bit 4j + i: code 4j + i's bit 2) in every qword; vpmultishiftqb
+  // takes byte j of run i from bit offset 4j + i - 2 (mod 64), which puts it on bit 2
+  alignas(32) static constexpr auto o01 = plane1_offsets(0), o23 = plane1_offsets(2);
+  const __m256i h01 = _mm256_load_si256(reinterpret_cast<const __m256i*>(o01.data()));
+  const __m256i h23 = _mm256_load_si256(reinterpret_cast<const __m256i*>(o23.data()));
+  const __m256i low2 = _mm256_set1_epi8(3);
+  const uint8_t *p0[RT], *p1[RT];
+  const uint16_t* sp[RT];
+  __m256 tot[RT];
+  for (int r = 0; r < RT; ++r) {
+    p0[r] = P.codes + (row + r) * P.row_bytes;
+    p1[r] = p0[r] + P.plane0_bytes;
+    sp[r] = P.scales + (row + r) * groups;
+    tot[r] = _mm256_setzero_ps();
+  }
+  alignas(64) float comb[RT][16];
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g % 16 == 0) {
+      const __mmask16 m = groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1;
+      const __m512 xsc = _mm512_maskz_loadu_ps(m, x.scale + g);
+      for (int r = 0; r < RT; ++r)
+        _mm512_store_ps(comb[r], _mm512_mul_ps(xsc, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sp[r] + g))));
+    }
+    const int64_t c0 = g * group;
+    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
+    for (int r = 0; r < RT; ++r) {
+      for (int64_t off = 0; off < group / 4; off += 64)
+        __builtin_prefetch(p0[r] + c0 / 4 + kPrefetch + off, 0, 2);
+      if constexpr (BITS == 3)  // plane 1, as far ahead in codes
+        for (int64_t off = 0; off < group / 8; off += 64)
+          __builtin_prefetch(p1[r] + c0 / 8 + kPrefetch / 2 + off, 0, 2);
+    }
+    const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(-128 * x.sum[g]));
+    __m256i acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = start;
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t at = c0 + c * kChunk;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at + 32));
+      for (int r = 0; r < RT; ++r) {
+        const __m256i d = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0[r] + at / 4)));
+        __m256i i01 = _mm256_srlv_epi32(d, s01), i23 = _mm256_srlv_epi32(d, s23);
+        if constexpr (BITS == 3) {
+          int64_t bits64;
+          std::memcpy(&bits64, p1[r] + at / 8, 8);
+          const __m256i h = _mm256_set1_epi64x(bits64);
+          i01 = _mm256_ternarylogic_epi32(low2, i01, _mm256_multishift_epi64_epi8(h01, h), 0xCA);
+          i23 = _mm256_ternarylogic_epi32(low2, i23, _mm256_multishift_epi64_epi8(h23, h), 0xCA);
+        }
+        acc[r] = _mm256_dpbusd_epi32(acc[r], _mm256_permutexvar_epi8(i01, table), x0);
+        acc[r] = _mm256_dpbusd_epi32(acc[r], _mm256_permutexvar_epi8(i23, table), x1);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                               _mm256_broadcast_ss(&comb[r][g % 16]), tot[r]);
+  }
+  for (int r = 0; r < RT; ++r) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+  }
+}
+
 // y[r0:r1] for one activation row (P.M == 1) from its quantized form (`quantize`).
 template <bool VBMI>
 inline void rows_with(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
   alignas(32) uint8_t bytes[32];
-  const float step = level_table(P.codebook, bytes, 128);
+  const float step = level_table(P.codebook, P.bits, bytes, 128);
   const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
   int64_t r = r0;
-  for (; r + kRows <= r1; r += kRows) dot_rows<kRows, VBMI>(P, x, r, table, step);
-  for (; r < r1; ++r) dot_rows<1, VBMI>(P, x, r, table, step);
+  if (P.bits == 2) {
+    for (; r + kRows <= r1; r += kRows) dot_rows_small<2, kRows>(P, x, r, table, step);
+    for (; r < r1; ++r) dot_rows_small<2, 1>(P, x, r, table, step);
+  } else if (P.bits == 3) {
+    for (; r + kRows <= r1; r += kRows) dot_rows_small<3, kRows>(P, x, r, table, step);
+    for (; r < r1; ++r) dot_rows_small<3, 1>(P, x, r, table, step);
+  } else {
+    for (; r + kRows <= r1; r += kRows) dot_rows<kRows, VBMI>(P, x, r, table, step);
+    for (; r < r1; ++r) dot_rows<1, VBMI>(P, x, r, table, step);
+  }
 }
 
-// vbmi: the CPU has AVX512-VBMI's vpermb (decodes a code without masking it first)
+// vbmi: the CPU has AVX512-VBMI's vpermb (decodes a code without masking it first; 2-
+// and 3-bit layers need it)
 inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1, bool vbmi) {
   if (vbmi) rows_with<true>(P, x, r0, r1);
   else rows_with<false>(P, x, r0, r1);
@@ -209,7 +325,7 @@ inline void quantize(const Problem& P, const float* xr, const Row& row) {
     for (int64_t c = c0; c < c1; c += kChunk)
       for (int64_t k = 0; k < kChunk; ++k) {
         const float v = std::clamp(std::nearbyint(xr[c + k] * inv), -127.f, 127.f);
-        const int64_t at = c + (k % 2) * (kChunk / 2) + k / 2;  // even positions first
+        const int64_t at = c + chunk_pos(P.bits, k);
         row.q[at] = static_cast<int8_t>(bad ? 0.f : v);
         sum += row.q[at];
       }
@@ -266,7 +382,7 @@ inline void dot_rows(const Problem& P, const Row& x, int64_t row, __m256i table,
 
 inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
   alignas(32) uint8_t bytes[32];
-  const float step = level_table(P.codebook, bytes, 0);
+  const float step = level_table(P.codebook, P.bits, bytes, 0);
   const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
   int64_t r = r0;
   for (; r + kRows <= r1; r += kRows) dot_rows<kRows>(P, x, r, table, step);

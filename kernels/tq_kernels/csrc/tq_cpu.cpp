@@ -326,8 +326,9 @@ bool has_vnni() {
 // everywhere).
 bool int8_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
 #ifdef TQ_INT8_GEMV
-  return M == 1 && bf16 && gemv_int8.load(std::memory_order_relaxed) && i8gemv::fits(P) &&
-         ((l.eisa == kAvx512 && has_vnni()) || l.eisa == kAvx2);
+  if (!(M == 1 && bf16 && gemv_int8.load(std::memory_order_relaxed))) return false;
+  if (l.eisa == kAvx512) return has_vnni() && i8gemv::fits(P, has_vbmi());
+  return l.eisa == kAvx2 && i8gemv::fits(P, false);
 #else
   (void)P, (void)l, (void)M, (void)bf16;
   return false;
@@ -443,12 +444,15 @@ void set_isa_cap(int64_t isa) { isa_cap.store(static_cast<int>(isa), std::memory
 
 bool bf16_gemm() { return bf16_products(); }
 
-// Whether the int8 GEMV runs in this process's variant: AVX-512 with VNNI, or AVX2 (a CPU
-// without AVX-512, or TQ_CPU_ISA=avx2; a layer named to run AVX2 takes it anywhere).
-bool int8_gemv_native() {
+// Whether the int8 GEMV runs in this process's variant for a width: 4-bit on AVX-512 with
+// VNNI or on AVX2 (a CPU without AVX-512, or TQ_CPU_ISA=avx2; a layer named to run AVX2
+// takes it anywhere); 2- and 3-bit on AVX-512 with VNNI and VBMI.
+bool int8_gemv_native(int64_t bits) {
 #ifdef TQ_INT8_GEMV
-  return has_vnni() || run_isa() == kAvx2;
+  if (bits == 4) return has_vnni() || run_isa() == kAvx2;
+  return (bits == 2 || bits == 3) && has_vnni() && has_vbmi();
 #else
+  (void)bits;
   return false;
 #endif
 }
@@ -475,7 +479,7 @@ TORCH_LIBRARY(tq_cpu, m) {
   m.def("cpu_isa() -> int", &tqcpu::cpu_isa);
   m.def("set_isa_cap(int isa) -> ()", &tqcpu::set_isa_cap);
   m.def("bf16_gemm() -> bool", &tqcpu::bf16_gemm);
-  m.def("int8_gemv() -> bool", &tqcpu::int8_gemv_native);
+  m.def("int8_gemv(int bits) -> bool", &tqcpu::int8_gemv_native);
   m.def("set_gemv_int8(bool on) -> ()", &tqcpu::set_gemv_int8);
   m.def("kernel_isa(int isa, int bits, int group_size) -> int", &tqcpu::kernel_isa);
 }
