@@ -7,7 +7,7 @@ For SmolLM2's MLP shapes and Llama-3-8B's 4096x4096 and 14336x4096, at 4, 3 and 
 with gemm_min_batch=0 (the lookup-table GEMV) and gemm="fp32" or "bf16" (bf16 dot products
 where the CPU has AVX512-BF16, csrc/bf16_gemv.h; elsewhere both are float32), and for
 each width also with int8 products where they run (csrc/int8_gemv.h: AVX512-VNNI, 2 and
-3 bits with VBMI too, or 4 bits in the AVX2 variant; `set_gemv_products`), one after the
+3 bits with VBMI too, or the AVX2 variant; `set_gemv_products`), one after the
 other, best of 9 loops. Reports microseconds, the ratios to float32, and the packed bytes
 (codes and scales) read per second by the fastest. --isa names the variant (avx2 on an
 AVX-512 machine runs what an AVX2 CPU runs). The weights stay in cache between calls for
@@ -61,7 +61,7 @@ def main() -> int:
             x = torch.randn(1, n)
             us = {}
             runs = [("fp32", "fp32", "bf16"), ("bf16", "bf16", "bf16")]
-            if bits == 4 or (args.isa in (None, "avx512") and cpu.native_int8_gemv(bits)):
+            if args.isa == "avx2" or cpu.native_int8_gemv(bits):
                 runs.append(("int8", "bf16", "int8"))
             for name, gemm, gemv in runs:
                 kw = {"bits": bits, "group_size": 128, "out_features": out,

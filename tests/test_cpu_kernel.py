@@ -94,11 +94,11 @@ def _int8_parts(xr: torch.Tensor, codebook: torch.Tensor, group: int
 
 
 def _int8_variant(isa: str, bits: int) -> bool:
-    """Whether a one-row GEMV of this width named to run `isa` takes int8 products: 4-bit
-    in AVX2 always; in AVX-512 where it is the process's variant and the CPU has VNNI (and
-    VBMI, at 2 and 3 bits)."""
+    """Whether a one-row 2-4-bit GEMV named to run `isa` takes int8 products: in AVX2
+    always; in AVX-512 where it is the process's variant and the CPU has VNNI (and VBMI,
+    at 2 and 3 bits)."""
     if isa == "avx2":
-        return bits == 4
+        return 2 <= bits <= 4
     return isa == "avx512" and cpu.active_isa() == "avx512" and cpu.native_int8_gemv(bits)
 
 
@@ -212,7 +212,7 @@ def test_bf16_gemv_matches_an_emulation(bits: int, n: int, bf16_gemv: None) -> N
 @pytest.mark.parametrize(("n", "group"), [(576, 64), (576, 128), (1536, 128), (640, 256)])
 def test_int8_gemv_matches_an_emulation(isa: str, bits: int, n: int, group: int) -> None:
     """A decode step's 2-4-bit GEMV with int8 products (csrc/int8_gemv.h, the default on
-    AVX512-VNNI CPUs and for 4 bits in the AVX2 variant) is the float32 sum of the int8-rounded
+    AVX512-VNNI CPUs and in the AVX2 variant) is the float32 sum of the int8-rounded
     activations and levels, scaled per group, the outliers on the float32 x_rot: to
     float32 accumulation. With bf16 products asked for instead, the same call is not."""
     _runs(isa)

@@ -13,9 +13,9 @@ products for a process, `set_gemm_precision()` switches from Python, `gemm_preci
 says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap it.
 Decode-sized batches take the lookup-table GEMV in float32, except one activation row of
 a 2-4-bit layer, which takes faster products where the CPU has them, under the same
-switch: int8 ones on CPUs with AVX512-VNNI (2- and 3-bit layers also need VBMI) and for
-4-bit layers in the AVX2 variant (csrc/int8_gemv.h, llama.cpp's way: activations rounded
-to int8 per group), bf16 ones on AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x
+switch: int8 ones on CPUs with AVX512-VNNI (2- and 3-bit layers also need VBMI) and in
+the AVX2 variant (csrc/int8_gemv.h, llama.cpp's way: activations rounded to int8 per
+group), bf16 ones on AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x
 the float32 GEMV's rate). `TQ_CPU_GEMV=bf16` (or `set_gemv_products("bf16")`) keeps bf16
 products instead of int8 ones; `gemv_products` says which runs.
 
@@ -175,9 +175,9 @@ def set_gemv_products(products: str | None) -> None:
 
 
 def native_int8_gemv(bits: int = 4) -> bool:
-    """Whether the int8 GEMV runs in this process's variant for this width: 4-bit on
-    AVX-512 with AVX512-VNNI's int8 dot products or on AVX2 (vpmaddubsw; a CPU without
-    AVX-512, or TQ_CPU_ISA=avx2); 2- and 3-bit on AVX-512 with VNNI and VBMI."""
+    """Whether the int8 GEMV runs in this process's variant for this width (2-4 bits): on
+    AVX2 (vpmaddubsw; a CPU without AVX-512, or TQ_CPU_ISA=avx2), or on AVX-512 with
+    AVX512-VNNI's int8 dot products (and VBMI, at 2 and 3 bits)."""
     _require()
     return bool(torch.ops.tq_cpu.int8_gemv(bits))
 
@@ -200,7 +200,7 @@ def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1) 
     """The product precision of a GEMV (below GEMM_MIN_BATCH rows) now, for one activation
     row of a 2-, 3- or 4-bit layer whose group size and width hold whole 64-code chunks,
     while bf16 products are asked for (`set_gemm_precision`): "int8" with groups of at
-    most 2048 where `native_int8_gemv(bits)` (4-bit also in any AVX2 variant) while the
+    most 2048 in the AVX2 variant, or the AVX-512 one where `native_int8_gemv(bits)`, while the
     GEMV's products are int8 (`set_gemv_products`, csrc/int8_gemv.h); else "bf16" on the
     AVX-512 variant of a CPU with bf16 dot products (csrc/bf16_gemv.h); "fp32" otherwise."""
     isa = kernel_isa(bits, group_size)
@@ -209,7 +209,7 @@ def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1) 
     if not (fits and _fast_requested()):
         return "fp32"
     if group_size <= 2048 and _gemv_choice() == "int8" and (
-            (isa == "avx2" and bits == 4) or (isa == "avx512" and native_int8_gemv(bits))):
+            isa == "avx2" or (isa == "avx512" and native_int8_gemv(bits))):
         return "int8"
     return "bf16" if isa == "avx512" and native_bf16_gemm() else "fp32"
 

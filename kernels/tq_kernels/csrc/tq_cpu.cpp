@@ -320,15 +320,15 @@ bool has_vnni() {
 }
 
 // Whether a GEMV runs with int8 products: one activation row of a layer it fits, the
-// AVX-512 variant on a CPU with VNNI (with or without bf16 dot products) or the AVX2 one
-// (vpmaddubsw), asked for, and
+// AVX-512 variant on a CPU with VNNI (with or without bf16 dot products; 2 and 3 bits
+// also need VBMI) or the AVX2 one (vpmaddubsw), asked for, and
 // the fast products class asked for (bf16_gemm: TQ_CPU_GEMM=fp32 keeps float32 products
 // everywhere).
 bool int8_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
 #ifdef TQ_INT8_GEMV
   if (!(M == 1 && bf16 && gemv_int8.load(std::memory_order_relaxed))) return false;
   if (l.eisa == kAvx512) return has_vnni() && i8gemv::fits(P, has_vbmi());
-  return l.eisa == kAvx2 && i8gemv::fits(P, false);
+  return l.eisa == kAvx2 && i8gemv::fits(P, true);
 #else
   (void)P, (void)l, (void)M, (void)bf16;
   return false;
@@ -444,13 +444,13 @@ void set_isa_cap(int64_t isa) { isa_cap.store(static_cast<int>(isa), std::memory
 
 bool bf16_gemm() { return bf16_products(); }
 
-// Whether the int8 GEMV runs in this process's variant for a width: 4-bit on AVX-512 with
-// VNNI or on AVX2 (a CPU without AVX-512, or TQ_CPU_ISA=avx2; a layer named to run AVX2
-// takes it anywhere); 2- and 3-bit on AVX-512 with VNNI and VBMI.
+// Whether the int8 GEMV runs in this process's variant for a width (2-4 bits): on AVX2 (a
+// CPU without AVX-512, or TQ_CPU_ISA=avx2; a layer named to run AVX2 takes it anywhere),
+// or on AVX-512 with VNNI (and VBMI, at 2 and 3 bits).
 bool int8_gemv_native(int64_t bits) {
 #ifdef TQ_INT8_GEMV
-  if (bits == 4) return has_vnni() || run_isa() == kAvx2;
-  return (bits == 2 || bits == 3) && has_vnni() && has_vbmi();
+  if (bits < 2 || bits > 4) return false;
+  return run_isa() == kAvx2 || (has_vnni() && (bits == 4 || has_vbmi()));
 #else
   (void)bits;
   return false;
