@@ -94,12 +94,10 @@ def _int8_parts(xr: torch.Tensor, codebook: torch.Tensor, group: int
 
 
 def _int8_variant(isa: str, bits: int) -> bool:
-    """Whether a one-row 2-4-bit GEMV named to run `isa` takes int8 products: in AVX2
-    always; in AVX-512 where it is the process's variant and the CPU has VNNI (and VBMI,
-    at 2 and 3 bits)."""
-    if isa == "avx2":
-        return 2 <= bits <= 4
-    return isa == "avx512" and cpu.active_isa() == "avx512" and cpu.native_int8_gemv(bits)
+    """Whether a one-row 2-4-bit GEMV named to run `isa` takes int8 products: asked for,
+    and the variant has them (AVX2 on any CPU; AVX-512 where the process runs it and the
+    CPU has VNNI, and VBMI at 2 and 3 bits)."""
+    return cpu.gemv_choice() == "int8" and cpu.native_int8_gemv(bits, isa)
 
 
 def _int8_rounding(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | None,
@@ -151,8 +149,7 @@ def test_linear_matches_reference(isa: str, bits: int, n: int, group: int, batch
                      q.outlier_val, bias, bits=bits, group_size=group, out_features=OUT,
                      isa=isa, gemm_min_batch=0 if path == "gemv" else 1, gemm=gemm)
     slack: torch.Tensor | float = 0.0
-    int8 = (batch == 1 and n % 64 == 0 and group % 64 == 0 and cpu.gemv_choice() == "int8"
-            and _int8_variant(isa, bits))
+    int8 = batch == 1 and n % 64 == 0 and group % 64 == 0 and _int8_variant(isa, bits)
     if gemm == "bf16" and path == "gemv" and int8:
         slack = _int8_rounding(x, q, signs, 64)
     elif gemm == "bf16" and path == "gemv":
@@ -273,25 +270,70 @@ def test_int8_gemv_propagates_a_nan(isa: str) -> None:
         assert bool(y.isnan().all()), bad
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize(("n", "group"), [(1152, 64), (4096, 2048)])
+def test_int8_gemv_row_tails_group_blocks_and_threads(isa: str, bits: int, n: int,
+                                                       group: int) -> None:
+    """42 rows (two past the last 4-row pass), 18 groups (a second, partly masked block of
+    16 group scales) or groups of 2048 (the largest the int8 GEMV takes, each lane's sum
+    still exact in float32), on one thread and split over two (n=4096: 16-row tasks):
+    equal to the emulation, and the split equal to one thread bit for bit."""
+    _runs(isa)
+    if not _int8_variant(isa, bits):
+        pytest.skip(f"the {isa} variant takes no int8 products at {bits} bits in this process")
+    out = 42
+    g = torch.Generator().manual_seed(bits * n + group)
+    q = quantize(torch.randn(out, n, generator=g), QuantSpec(bits=bits, group_size=group,
+                                                             outliers=0.0),
+                 RotationSpec(kind="none"))
+    x = 3 * torch.randn(1, n, generator=g)
+
+    def run() -> torch.Tensor:
+        return cpu.linear(x, None, 0, q.codes, q.scales, q.codebook, None, None, None,
+                          bits=bits, group_size=group, out_features=out, isa=isa,
+                          gemm_min_batch=0, gemm="bf16")
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    xq, levels, step = _int8_parts(x, q.codebook, group)
+    args = {"bits": bits, "group_size": group, "out_features": out, "in_features": n}
+    want = reference.grouped_matmul(xq, q.codes, q.scales.double(),
+                                    levels.double() * float(step), **args)
+    w = reference.grouped_matmul(xq.abs(), q.codes, q.scales.double().abs(),
+                                 levels.double().abs() * float(step), **args)
+    err = (one.double() - want).abs()
+    assert bool((err <= 1e-6 * w + 1e-6 * want.abs()).all()), float((err / w).max())
+
+
 def test_gemv_products_follow_environment_and_setter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TQ_CPU_GEMV picks the 4-bit GEMV's products, the setter wins over it, a mistyped
-    value warns and keeps bf16, and an unknown one is refused by the setter."""
+    """TQ_CPU_GEMV picks the GEMV's products, read once (so what `gemv_choice` says is what
+    the kernel was told) until the setter, which wins over it; a mistyped value warns and
+    keeps bf16, and an unknown one is refused by the setter."""
     try:
         for value, want in (("", "int8"), ("bf16", "bf16"), ("int8", "int8")):
             monkeypatch.setenv("TQ_CPU_GEMV", value)
-            cpu.set_gemv_products(None)
+            cpu.set_gemv_products(None)  # rereads the environment
             assert cpu.gemv_choice() == want, value
         monkeypatch.setenv("TQ_CPU_GEMV", "bf16")
-        cpu.set_gemv_products("int8")
         assert cpu.gemv_choice() == "int8"
-        cpu.set_gemv_products(None)
+        cpu.set_gemv_products("bf16")
+        assert cpu.gemv_choice() == "bf16"
         monkeypatch.setenv("TQ_CPU_GEMV", "int4")
         with pytest.warns(RuntimeWarning, match="TQ_CPU_GEMV='int4' is not one of int8, bf16"):
-            assert cpu.gemv_choice() == "bf16"
+            cpu.set_gemv_products(None)
+        assert cpu.gemv_choice() == "bf16"
         with pytest.raises(ValueError, match="products must be one of int8, bf16, got 'fp8'"):
             cpu.set_gemv_products("fp8")
     finally:
-        monkeypatch.delenv("TQ_CPU_GEMV")
+        monkeypatch.undo()
         cpu.set_gemv_products(None)
 
 

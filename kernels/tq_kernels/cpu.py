@@ -140,6 +140,7 @@ def _gemm_bf16() -> bool:
 _gemv_requested: str | None = None  # set_gemv_products(); None: TQ_CPU_GEMV, else int8
 
 
+@functools.lru_cache(maxsize=1)
 def _gemv_choice() -> str:
     env = os.environ.get("TQ_CPU_GEMV", "").strip().lower()
     want = _gemv_requested or (env if env in GEMV_PRODUCTS else None)
@@ -152,7 +153,8 @@ def _gemv_choice() -> str:
 
 def gemv_choice() -> str:
     """The products asked for in the one-row GEMV of 2-4-bit layers: "int8" or "bf16"
-    (`set_gemv_products`, TQ_CPU_GEMV); `gemv_products` says what a layer runs."""
+    (`set_gemv_products`, or TQ_CPU_GEMV as read when the kernel loaded or at the last
+    `set_gemv_products` call); `gemv_products` says what a layer runs."""
     return _gemv_choice()
 
 
@@ -171,15 +173,16 @@ def set_gemv_products(products: str | None) -> None:
                          f"got {products!r}")
     _require()
     _gemv_requested = products
+    _gemv_choice.cache_clear()  # rereads TQ_CPU_GEMV
     _sync_gemv()
 
 
-def native_int8_gemv(bits: int = 4) -> bool:
-    """Whether the int8 GEMV runs in this process's variant for this width (2-4 bits): on
-    AVX2 (vpmaddubsw; a CPU without AVX-512, or TQ_CPU_ISA=avx2), or on AVX-512 with
-    AVX512-VNNI's int8 dot products (and VBMI, at 2 and 3 bits)."""
-    _require()
-    return bool(torch.ops.tq_cpu.int8_gemv(bits))
+def native_int8_gemv(bits: int = 4, isa: str | None = None) -> bool:
+    """Whether the int8 GEMV runs for this width (2-4 bits) in a variant (default: the
+    process's, TQ_CPU_ISA's cap included): AVX2 (vpmaddubsw) on any CPU that has it,
+    AVX-512 with AVX512-VNNI's int8 dot products (and VBMI, at 2 and 3 bits) where the
+    process runs AVX-512."""
+    return bool(torch.ops.tq_cpu.int8_gemv(bits, _isa_index(isa)))
 
 
 def native_bf16_gemm() -> bool:
@@ -200,7 +203,7 @@ def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1) 
     """The product precision of a GEMV (below GEMM_MIN_BATCH rows) now, for one activation
     row of a 2-, 3- or 4-bit layer whose group size and width hold whole 64-code chunks,
     while bf16 products are asked for (`set_gemm_precision`): "int8" with groups of at
-    most 2048 in the AVX2 variant, or the AVX-512 one where `native_int8_gemv(bits)`, while the
+    most 2048 where `native_int8_gemv(bits, <the layer's variant>)`, while the
     GEMV's products are int8 (`set_gemv_products`, csrc/int8_gemv.h); else "bf16" on the
     AVX-512 variant of a CPU with bf16 dot products (csrc/bf16_gemv.h); "fp32" otherwise."""
     isa = kernel_isa(bits, group_size)
@@ -208,8 +211,7 @@ def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1) 
             and isa in ("avx512", "avx2"))
     if not (fits and _fast_requested()):
         return "fp32"
-    if group_size <= 2048 and _gemv_choice() == "int8" and (
-            isa == "avx2" or (isa == "avx512" and native_int8_gemv(bits))):
+    if group_size <= 2048 and _gemv_choice() == "int8" and native_int8_gemv(bits, isa):
         return "int8"
     return "bf16" if isa == "avx512" and native_bf16_gemm() else "fp32"
 

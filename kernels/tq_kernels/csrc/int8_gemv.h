@@ -1,21 +1,25 @@
-// The decode GEMV (one activation row) of 4-bit layers with 8-bit integer dot products
-// (AVX512-VNNI's vpdpbusd), for CPUs that have them: llama.cpp's way of multiplying a
-// non-uniform 4-bit grid (its IQ4_NL), applied to tq's codebooks.
+// The decode GEMV (one activation row) of 2-, 3- and 4-bit layers with 8-bit integer dot
+// products: llama.cpp's way of multiplying a non-uniform 4-bit grid (its IQ4_NL), applied
+// to tq's codebooks. AVX512-VNNI's vpdpbusd here (2 and 3 bits also need VBMI), the AVX2
+// variant's vpmaddubsw in int8_gemv_avx2.h.
 //
-// - The 16 levels become int8 on a grid of max|level| / 127 (`level_table`): one vpshufb
-//   decodes 32 codes. They are stored as level + 128 (unsigned), because vpdpbusd
-//   multiplies unsigned by signed bytes; each group's sum then carries 128 * sum(x), which
-//   its accumulator starts without (lane 0 starts at -128 * sum(x), exactly, in integers).
+// - The levels become int8 on a grid of max|level| / 127 (`level_table`): one vpshufb or
+//   vpermb decodes 32 codes. For vpdpbusd they are stored as level + 128 (unsigned),
+//   because it multiplies unsigned by signed bytes; each group's sum then carries
+//   128 * sum(x), which its accumulator starts without (each of the 8 lanes starts at
+//   -16 * sum(x): exact, in integers).
 // - The rotated activation row becomes int8 per weight group (`quantize`): scale
-//   max|x| / 127, round to nearest. Per 64 codes (32 bytes), even positions first, then
-//   odd ones, as a byte holds codes 2b (low nibble) and 2b + 1.
+//   max|x| / 127, round to nearest even. Per 64 codes, in the order the codes are read
+//   (`chunk_pos`): 4-bit, even positions first, then odd ones (a byte holds codes 2b and
+//   2b + 1); 2- and 3-bit, four runs of 16 (a plane-0 byte holds codes 4j..4j+3).
 // - Per group and row: the integer sum, to float, times the group's fp16 scale and the
 //   activations' scale, accumulated in float32; the level grid's step at the end.
 //
 // The rounding is larger than bf16's (about 0.4% of a group's largest |x| against bf16's
-// 0.4% of each value), and far below the 4-bit weights' own error; tests bound it
-// against an emulation (tests/test_cpu_kernel.py). Groups must hold whole 64-code chunks
-// and at most 2048 codes (each lane's integer sum stays exact in float32).
+// 0.4% of each value), and far below the weights' own error; tests bound it against an
+// emulation (tests/test_cpu_kernel.py). Groups must hold whole 64-code chunks and at most
+// 2048 codes: each lane's integer sum (at most 2048 / 8 * 4 * 255 * 127 from the products,
+// 16 * 127 * 2048 from the start) stays below 2^24, exact in float32.
 #pragma once
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && \
     (__GNUC__ >= 10 || defined(__clang__))
@@ -76,7 +80,7 @@ inline int64_t chunk_pos(int bits, int64_t k) {
 }  // namespace tqcpu::i8gemv
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 
 namespace tqcpu::i8gemv {
 
@@ -92,14 +96,16 @@ inline void quantize(const Problem& P, const float* xr, const Row& row) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t g = 0; g < P.groups; ++g) {
     const int64_t c0 = g * P.group, c1 = std::min(P.n, c0 + P.group);
-    __m512 mx = _mm512_setzero_ps(), bad = _mm512_setzero_ps();
+    __m512 mx = _mm512_setzero_ps(), nonfinite = _mm512_setzero_ps();
     for (int64_t c = c0; c < c1; c += 16) {
       const __m512 v = _mm512_loadu_ps(xr + c);
       mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, v));
-      bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN if not finite
+      nonfinite = _mm512_add_ps(nonfinite, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN if any
     }
     const float m = _mm512_reduce_max_ps(mx);
-    const float inv = m > 0.f ? 127.f / m : 0.f;
+    const bool bad = std::isnan(_mm512_reduce_add_ps(nonfinite));
+    // a group of nothing but (near-)zeros: all q 0 (127 / m would overflow)
+    const float inv = m > 0.f && std::isfinite(127.f / m) && !bad ? 127.f / m : 0.f;
     const __m512 vi = _mm512_set1_ps(inv);
     __m512i sum = _mm512_setzero_si512();
     for (int64_t c = c0; c < c1; c += kChunk) {
@@ -122,77 +128,50 @@ inline void quantize(const Problem& P, const float* xr, const Row& row) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q + c + 16 * k), _mm512_cvtsepi32_epi8(q));
       }
     }
-    // a NaN or infinite x gives the group's outputs NaN, as float32 products would
-    row.scale[g] = std::isnan(_mm512_reduce_add_ps(bad)) ? NAN : m > 0.f ? m / 127.f : 0.f;
-    row.sum[g] = _mm512_reduce_add_epi32(sum);
+    // a NaN or infinite x gives the group's outputs NaN, as float32 products would (its q
+    // are 0: inv is)
+    row.scale[g] = bad ? NAN : inv > 0.f ? m / 127.f : 0.f;
+    row.sum[g] = bad ? 0 : _mm512_reduce_add_epi32(sum);
+    if (bad) std::memset(row.q + c0, 0, c1 - c0);  // NaN * 0 rounds to INT_MIN, not 0
   }
 }
 
-template <int RT, bool VBMI>
-inline void dot_rows(const Problem& P, const Row& x, int64_t row, __m256i table, float step) {
-  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const uint8_t* rp[RT];
-  const uint16_t* sp[RT];
-  __m256 tot[RT];
-  for (int r = 0; r < RT; ++r) {
-    rp[r] = P.codes + (row + r) * P.row_bytes;
-    sp[r] = P.scales + (row + r) * groups;
-    tot[r] = _mm256_setzero_ps();
-  }
-  alignas(64) float comb[RT][16];  // per group of a block: weight scale x activation scale
-  for (int64_t g = 0; g < groups; ++g) {
-    if (g % 16 == 0) {
-      const __mmask16 m = groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1;
-      const __m512 xsc = _mm512_maskz_loadu_ps(m, x.scale + g);
-      for (int r = 0; r < RT; ++r)
-        _mm512_store_ps(comb[r], _mm512_mul_ps(xsc, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sp[r] + g))));
-    }
-    const int64_t c0 = g * group;
-    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
-    for (int r = 0; r < RT; ++r)
-      for (int64_t off = 0; off < group / 2; off += 64)
-        __builtin_prefetch(rp[r] + c0 / 2 + kPrefetch + off, 0, 2);
-    // the offset levels' extra 128 * sum(x), taken out before the sum starts
-    const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(-128 * x.sum[g]));
-    __m256i acc[RT];
-    for (int r = 0; r < RT; ++r) acc[r] = start;
-    for (int64_t c = 0; c < nch; ++c) {
-      const int64_t at = c0 + c * kChunk;
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at + 32));
-      for (int r = 0; r < RT; ++r) {
-        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r] + at / 2));
-        __m256i wl, wh;
-        if constexpr (VBMI) {  // vpermb reads 5 index bits: no mask (the table repeats)
-          wl = _mm256_permutexvar_epi8(d, table);
-          wh = _mm256_permutexvar_epi8(_mm256_srli_epi16(d, 4), table);
-        } else {
-          wl = _mm256_shuffle_epi8(table, _mm256_and_si256(d, low4));
-          wh = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(d, 4), low4));
-        }
-        acc[r] = _mm256_dpbusd_epi32(acc[r], wl, x0);
-        acc[r] = _mm256_dpbusd_epi32(acc[r], wh, x1);
-      }
-    }
-    for (int r = 0; r < RT; ++r)
-      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
-                               _mm256_broadcast_ss(&comb[r][g % 16]), tot[r]);
-  }
-  for (int r = 0; r < RT; ++r) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
-    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
-  }
+#define TQ_I8_DOT4 dot_rows
+#define TQ_I8_DECODE4(d, wl, wh)                                                 \
+  wl = _mm256_shuffle_epi8(table, _mm256_and_si256(d, low4));                    \
+  wh = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(d, 4), low4))
+#include "int8_dot4.inc"
+#undef TQ_I8_DOT4
+#undef TQ_I8_DECODE4
+
+inline void rows_plain(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
+  alignas(32) uint8_t bytes[32];
+  const float step = level_table(P.codebook, P.bits, bytes, 128);
+  const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows) dot_rows<kRows>(P, x, r, table, step);
+  for (; r < r1; ++r) dot_rows<1>(P, x, r, table, step);
 }
 
-// 2- and 3-bit codes, 64 a chunk: plane-0 byte j holds codes 4j + i at bits 2i; plane 1
-// (3-bit) holds bit 2 of codes 4j..4j+3 in nibble j (bf16_gemv.h's decode_small). The 16
-// plane-0 bytes go to both 128-bit lanes, shifted per lane so that a lane's bytes have
-// run i's code in bits 0-1 (runs 0 and 1 in one vector, 2 and 3 in the other, as the
-// activations); at 3 bits vpmultishiftqb moves each code's bit 2 from plane 1 to bit 2
-// of its byte, and a ternary select joins them. vpermb reads 5 index bits and
-// the table repeats the levels, so the bits above the code's are never masked.
+}  // namespace tqcpu::i8gemv
+
+#pragma GCC pop_options
+
+// The same with VBMI: vpermb reads 5 index bits, and the table repeats the levels, so no
+// mask; and the 2- and 3-bit codes.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c")
+
+namespace tqcpu::i8gemv {
+
+#define TQ_I8_DOT4 dot_rows_vbmi
+#define TQ_I8_DECODE4(d, wl, wh)            \
+  wl = _mm256_permutexvar_epi8(d, table); \
+  wh = _mm256_permutexvar_epi8(_mm256_srli_epi16(d, 4), table)
+#include "int8_dot4.inc"
+#undef TQ_I8_DOT4
+#undef TQ_I8_DECODE4
+
 // Byte b of run first + b / 16 takes plane 1's bit 4 (b % 16) + first + b / 16 to bit 2.
 constexpr std::array<int8_t, 32> plane1_offsets(int first) {
   std::array<int8_t, 32> o{};
@@ -238,7 +217,7 @@ inline void dot_rows_small(const Problem& P, const Row& x, int64_t row, __m256i 
         for (int64_t off = 0; off < group / 8; off += 64)
           __builtin_prefetch(p1[r] + c0 / 8 + kPrefetch / 2 + off, 0, 2);
     }
-    const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(-128 * x.sum[g]));
+    const __m256i start = _mm256_set1_epi32(-16 * x.sum[g]);
     __m256i acc[RT];
     for (int r = 0; r < RT; ++r) acc[r] = start;
     for (int64_t c = 0; c < nch; ++c) {
@@ -271,9 +250,7 @@ inline void dot_rows_small(const Problem& P, const Row& x, int64_t row, __m256i 
   }
 }
 
-// y[r0:r1] for one activation row (P.M == 1) from its quantized form (`quantize`).
-template <bool VBMI>
-inline void rows_with(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
+inline void rows_vbmi(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
   alignas(32) uint8_t bytes[32];
   const float step = level_table(P.codebook, P.bits, bytes, 128);
   const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
@@ -285,193 +262,27 @@ inline void rows_with(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
     for (; r + kRows <= r1; r += kRows) dot_rows_small<3, kRows>(P, x, r, table, step);
     for (; r < r1; ++r) dot_rows_small<3, 1>(P, x, r, table, step);
   } else {
-    for (; r + kRows <= r1; r += kRows) dot_rows<kRows, VBMI>(P, x, r, table, step);
-    for (; r < r1; ++r) dot_rows<1, VBMI>(P, x, r, table, step);
+    for (; r + kRows <= r1; r += kRows) dot_rows_vbmi<kRows>(P, x, r, table, step);
+    for (; r < r1; ++r) dot_rows_vbmi<1>(P, x, r, table, step);
   }
-}
-
-// vbmi: the CPU has AVX512-VBMI's vpermb (decodes a code without masking it first; 2-
-// and 3-bit layers need it)
-inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1, bool vbmi) {
-  if (vbmi) rows_with<true>(P, x, r0, r1);
-  else rows_with<false>(P, x, r0, r1);
 }
 
 }  // namespace tqcpu::i8gemv
 
 #pragma GCC pop_options
 
-// The AVX2 variant, for CPUs without AVX-512: the same activations and levels, multiplied
-// as llama.cpp does without VNNI: vpmaddubsw of |level| and x carrying the level's sign
-// (vpsignb), pairs to int32 by vpmaddwd. |level|, |x| <= 127 keep the int16 pair sums
-// below 2^15, and signed levels need no offset. 2-, 3- and 4-bit codes.
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+namespace tqcpu::i8gemv {
 
-namespace tqcpu::i8gemv::avx2 {
-
-// The same rounding as `quantize` (float32 product, to nearest even), one value at a time.
-inline void quantize(const Problem& P, const float* xr, const Row& row) {
-  for (int64_t g = 0; g < P.groups; ++g) {
-    const int64_t c0 = g * P.group, c1 = std::min(P.n, c0 + P.group);
-    float m = 0.f;
-    bool bad = false;
-    for (int64_t c = c0; c < c1; ++c) {
-      m = std::max(m, std::fabs(xr[c]));
-      bad = bad || !std::isfinite(xr[c]);
-    }
-    const float inv = m > 0.f ? 127.f / m : 0.f;
-    int32_t sum = 0;
-    for (int64_t c = c0; c < c1; c += kChunk)
-      for (int64_t k = 0; k < kChunk; ++k) {
-        const float v = std::clamp(std::nearbyint(xr[c + k] * inv), -127.f, 127.f);
-        const int64_t at = c + chunk_pos(P.bits, k);
-        row.q[at] = static_cast<int8_t>(bad ? 0.f : v);
-        sum += row.q[at];
-      }
-    row.scale[g] = bad ? NAN : m > 0.f ? m / 127.f : 0.f;
-    row.sum[g] = sum;
-  }
+// y[r0:r1] for one activation row (P.M == 1) from its quantized form (`quantize`). vbmi:
+// the CPU has AVX512-VBMI (vpermb decodes a code without masking it first; 2- and 3-bit
+// layers need it). Compiled for any x86-64: it only calls the variant the CPU has.
+inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1, bool vbmi) {
+  if (vbmi) rows_vbmi(P, x, r0, r1);
+  else rows_plain(P, x, r0, r1);
 }
 
-template <int RT>
-inline void dot_rows(const Problem& P, const Row& x, int64_t row, __m256i table, float step) {
-  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const uint8_t* rp[RT];
-  const uint16_t* sp[RT];
-  __m256 tot[RT];
-  for (int r = 0; r < RT; ++r) {
-    rp[r] = P.codes + (row + r) * P.row_bytes;
-    sp[r] = P.scales + (row + r) * groups;
-    tot[r] = _mm256_setzero_ps();
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t c0 = g * group;
-    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
-    for (int r = 0; r < RT; ++r)
-      for (int64_t off = 0; off < group / 2; off += 64)
-        __builtin_prefetch(rp[r] + c0 / 2 + kPrefetch + off, 0, 2);
-    __m256i acc[RT];
-    for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < nch; ++c) {
-      const int64_t at = c0 + c * kChunk;
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at + 32));
-      for (int r = 0; r < RT; ++r) {
-        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r] + at / 2));
-        const __m256i wl = _mm256_shuffle_epi8(table, _mm256_and_si256(d, low4));
-        const __m256i wh = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(d, 4), low4));
-        const __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(x0, wl));
-        const __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(x1, wh));
-        // each pair sum is below 2^15, two of them are not: widen before adding
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
-                                                           _mm256_madd_epi16(ph, ones)));
-      }
-    }
-    for (int r = 0; r < RT; ++r)
-      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
-                               _mm256_set1_ps(_cvtsh_ss(sp[r][g]) * x.scale[g]), tot[r]);
-  }
-  for (int r = 0; r < RT; ++r) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
-    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
-  }
-}
+}  // namespace tqcpu::i8gemv
 
-// 2- and 3-bit codes as the AVX-512 variant's dot_rows_small reads them, with AVX2's
-// instructions: per-lane shifts of the broadcast plane-0 bytes, masked (vpshufb zeroes a
-// byte whose index has bit 7 set); at 3 bits plane 1's nibbles go one to a byte first
-// (pmovzxbw, a copy shifted by 4 blended into the odd bytes), then shifted per lane so
-// that a code's bit 2 lands on bit 2.
-template <int BITS, int RT>
-inline void dot_rows_small(const Problem& P, const Row& x, int64_t row, __m256i table,
-                           float step) {
-  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
-  const __m256i s01 = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-  const __m256i s23 = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
-  const __m256i h01 = _mm256_setr_epi32(2, 2, 2, 2, 1, 1, 1, 1);  // left: bit 0 or 1 -> 2
-  const __m256i h23 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // right: bit 2 or 3 -> 2
-  const __m256i low2 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i odd = _mm_set1_epi16(static_cast<int16_t>(0x8000));
-  const uint8_t *p0[RT], *p1[RT];
-  const uint16_t* sp[RT];
-  __m256 tot[RT];
-  for (int r = 0; r < RT; ++r) {
-    p0[r] = P.codes + (row + r) * P.row_bytes;
-    p1[r] = p0[r] + P.plane0_bytes;
-    sp[r] = P.scales + (row + r) * groups;
-    tot[r] = _mm256_setzero_ps();
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t c0 = g * group;
-    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
-    for (int r = 0; r < RT; ++r) {
-      for (int64_t off = 0; off < group / 4; off += 64)
-        __builtin_prefetch(p0[r] + c0 / 4 + kPrefetch + off, 0, 2);
-      if constexpr (BITS == 3)
-        for (int64_t off = 0; off < group / 8; off += 64)
-          __builtin_prefetch(p1[r] + c0 / 8 + kPrefetch / 2 + off, 0, 2);
-    }
-    __m256i acc[RT];
-    for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < nch; ++c) {
-      const int64_t at = c0 + c * kChunk;
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at + 32));
-      for (int r = 0; r < RT; ++r) {
-        const __m256i d = _mm256_broadcastsi128_si256(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0[r] + at / 4)));
-        __m256i i01 = _mm256_and_si256(_mm256_srlv_epi32(d, s01), low2);
-        __m256i i23 = _mm256_and_si256(_mm256_srlv_epi32(d, s23), low2);
-        if constexpr (BITS == 3) {
-          const __m128i w = _mm_cvtepu8_epi16(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1[r] + at / 8)));
-          const __m256i h =
-              _mm256_broadcastsi128_si256(_mm_blendv_epi8(w, _mm_slli_epi16(w, 4), odd));
-          i01 = _mm256_or_si256(i01, _mm256_and_si256(_mm256_sllv_epi32(h, h01), bit2));
-          i23 = _mm256_or_si256(i23, _mm256_and_si256(_mm256_srlv_epi32(h, h23), bit2));
-        }
-        const __m256i w01 = _mm256_shuffle_epi8(table, i01);
-        const __m256i w23 = _mm256_shuffle_epi8(table, i23);
-        const __m256i pa = _mm256_maddubs_epi16(_mm256_sign_epi8(w01, w01), _mm256_sign_epi8(x0, w01));
-        const __m256i pb = _mm256_maddubs_epi16(_mm256_sign_epi8(w23, w23), _mm256_sign_epi8(x1, w23));
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(pa, ones),
-                                                           _mm256_madd_epi16(pb, ones)));
-      }
-    }
-    for (int r = 0; r < RT; ++r)
-      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
-                               _mm256_set1_ps(_cvtsh_ss(sp[r][g]) * x.scale[g]), tot[r]);
-  }
-  for (int r = 0; r < RT; ++r) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
-    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
-  }
-}
+#include "int8_gemv_avx2.h"  // the AVX2 variant (needs the declarations above)
 
-// (qualified calls: the arguments' namespace holds the AVX-512 templates of these names)
-inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
-  alignas(32) uint8_t bytes[32];
-  const float step = level_table(P.codebook, P.bits, bytes, 0);
-  const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
-  int64_t r = r0;
-  if (P.bits == 2) {
-    for (; r + kRows <= r1; r += kRows) avx2::dot_rows_small<2, kRows>(P, x, r, table, step);
-    for (; r < r1; ++r) avx2::dot_rows_small<2, 1>(P, x, r, table, step);
-  } else if (P.bits == 3) {
-    for (; r + kRows <= r1; r += kRows) avx2::dot_rows_small<3, kRows>(P, x, r, table, step);
-    for (; r < r1; ++r) avx2::dot_rows_small<3, 1>(P, x, r, table, step);
-  } else {
-    for (; r + kRows <= r1; r += kRows) avx2::dot_rows<kRows>(P, x, r, table, step);
-    for (; r < r1; ++r) avx2::dot_rows<1>(P, x, r, table, step);
-  }
-}
-
-}  // namespace tqcpu::i8gemv::avx2
-
-#pragma GCC pop_options
 #endif

@@ -11,8 +11,9 @@
 // weight once, parallel over output rows on torch's own OpenMP pool (so it never fights
 // torch's spinning threads); from gemm_min_batch rows on it dequantizes row blocks into a
 // reused buffer and calls torch's GEMM, in float32 or (bf16_gemm, on CPUs with native
-// bf16 dot products) in bfloat16 with float32 accumulation; with bf16_gemm on such a CPU
-// a one-row GEMV of a 2-4-bit layer takes bf16 products too (bf16_gemv.h). The SIMD variant
+// bf16 dot products) in bfloat16 with float32 accumulation; with bf16_gemm a one-row GEMV
+// of a 2-4-bit layer takes int8 products where the CPU has them (int8_gemv.h; off with
+// set_gemv_int8), else bf16 ones on a CPU with them (bf16_gemv.h). The SIMD variant
 // is picked at run time with __builtin_cpu_supports, so a cached build never executes an
 // instruction the CPU lacks.
 // Compiled once per torch version and source by tq_kernels/cpu_build.py.
@@ -444,15 +445,15 @@ void set_isa_cap(int64_t isa) { isa_cap.store(static_cast<int>(isa), std::memory
 
 bool bf16_gemm() { return bf16_products(); }
 
-// Whether the int8 GEMV runs in this process's variant for a width (2-4 bits): on AVX2 (a
-// CPU without AVX-512, or TQ_CPU_ISA=avx2; a layer named to run AVX2 takes it anywhere),
-// or on AVX-512 with VNNI (and VBMI, at 2 and 3 bits).
-bool int8_gemv_native(int64_t bits) {
+// Whether the int8 GEMV runs for a width (2-4 bits) in a variant: AVX2 on any CPU that has
+// it, AVX-512 with VNNI (and VBMI, at 2 and 3 bits) where the process runs AVX-512.
+bool int8_gemv_native(int64_t bits, int64_t isa) {
 #ifdef TQ_INT8_GEMV
   if (bits < 2 || bits > 4) return false;
-  return run_isa() == kAvx2 || (has_vnni() && (bits == 4 || has_vbmi()));
+  if (isa == kAvx2) return best_isa() >= kAvx2;
+  return isa == kAvx512 && has_vnni() && (bits == 4 || has_vbmi());
 #else
-  (void)bits;
+  (void)bits, (void)isa;
   return false;
 #endif
 }
@@ -479,7 +480,7 @@ TORCH_LIBRARY(tq_cpu, m) {
   m.def("cpu_isa() -> int", &tqcpu::cpu_isa);
   m.def("set_isa_cap(int isa) -> ()", &tqcpu::set_isa_cap);
   m.def("bf16_gemm() -> bool", &tqcpu::bf16_gemm);
-  m.def("int8_gemv(int bits) -> bool", &tqcpu::int8_gemv_native);
+  m.def("int8_gemv(int bits, int isa) -> bool", &tqcpu::int8_gemv_native);
   m.def("set_gemv_int8(bool on) -> ()", &tqcpu::set_gemv_int8);
   m.def("kernel_isa(int isa, int bits, int group_size) -> int", &tqcpu::kernel_isa);
 }

@@ -1,0 +1,177 @@
+// The AVX2 variant of int8_gemv.h, for CPUs without AVX-512 (included by it, after the
+// shared declarations): the same activations and levels, multiplied as llama.cpp does
+// without VNNI: vpmaddubsw of |level| and x carrying the level's sign (vpsignb), pairs to
+// int32 by vpmaddwd. |level|, |x| <= 127 keep the int16 pair sums below 2^15, and signed
+// levels need no offset. 2-, 3- and 4-bit codes.
+#pragma once
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace tqcpu::i8gemv::avx2 {
+
+// The same rounding as `quantize` (float32 product, to nearest even), one value at a time.
+inline void quantize(const Problem& P, const float* xr, const Row& row) {
+  for (int64_t g = 0; g < P.groups; ++g) {
+    const int64_t c0 = g * P.group, c1 = std::min(P.n, c0 + P.group);
+    float m = 0.f;
+    bool bad = false;
+    for (int64_t c = c0; c < c1; ++c) {
+      m = std::max(m, std::fabs(xr[c]));
+      bad = bad || !std::isfinite(xr[c]);
+    }
+    const float inv = m > 0.f && std::isfinite(127.f / m) && !bad ? 127.f / m : 0.f;
+    int32_t sum = 0;
+    for (int64_t c = c0; c < c1; c += kChunk)
+      for (int64_t k = 0; k < kChunk; ++k) {
+        const float v = inv > 0.f ? std::clamp(std::nearbyint(xr[c + k] * inv), -127.f, 127.f)
+                                  : 0.f;
+        const int64_t at = c + chunk_pos(P.bits, k);
+        row.q[at] = static_cast<int8_t>(v);  // 0 where inv is 0 (bad groups too)
+        sum += row.q[at];
+      }
+    row.scale[g] = bad ? NAN : inv > 0.f ? m / 127.f : 0.f;
+    row.sum[g] = sum;
+  }
+}
+
+template <int RT>
+inline void dot_rows(const Problem& P, const Row& x, int64_t row, __m256i table, float step) {
+  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* rp[RT];
+  const uint16_t* sp[RT];
+  __m256 tot[RT];
+  for (int r = 0; r < RT; ++r) {
+    rp[r] = P.codes + (row + r) * P.row_bytes;
+    sp[r] = P.scales + (row + r) * groups;
+    tot[r] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c0 = g * group;
+    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
+    for (int r = 0; r < RT; ++r)
+      for (int64_t off = 0; off < group / 2; off += 64)
+        __builtin_prefetch(rp[r] + c0 / 2 + kPrefetch + off, 0, 2);
+    __m256i acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t at = c0 + c * kChunk;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at + 32));
+      for (int r = 0; r < RT; ++r) {
+        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r] + at / 2));
+        const __m256i wl = _mm256_shuffle_epi8(table, _mm256_and_si256(d, low4));
+        const __m256i wh = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(d, 4), low4));
+        const __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(x0, wl));
+        const __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(x1, wh));
+        // each pair sum is below 2^15, two of them are not: widen before adding
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
+                                                           _mm256_madd_epi16(ph, ones)));
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                               _mm256_set1_ps(_cvtsh_ss(sp[r][g]) * x.scale[g]), tot[r]);
+  }
+  for (int r = 0; r < RT; ++r) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+  }
+}
+
+// 2- and 3-bit codes as the AVX-512 variant's dot_rows_small reads them, with AVX2's
+// instructions: per-lane shifts of the broadcast plane-0 bytes, masked (vpshufb zeroes a
+// byte whose index has bit 7 set); at 3 bits plane 1's nibbles go one to a byte first
+// (pmovzxbw, a copy shifted by 4 blended into the odd bytes), then shifted per lane so
+// that a code's bit 2 lands on bit 2.
+template <int BITS, int RT>
+inline void dot_rows_small(const Problem& P, const Row& x, int64_t row, __m256i table,
+                           float step) {
+  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
+  const __m256i s01 = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+  const __m256i s23 = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
+  const __m256i h01 = _mm256_setr_epi32(2, 2, 2, 2, 1, 1, 1, 1);  // left: bit 0 or 1 -> 2
+  const __m256i h23 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // right: bit 2 or 3 -> 2
+  const __m256i low2 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i odd = _mm_set1_epi16(static_cast<int16_t>(0x8000));
+  const uint8_t *p0[RT], *p1[RT];
+  const uint16_t* sp[RT];
+  __m256 tot[RT];
+  for (int r = 0; r < RT; ++r) {
+    p0[r] = P.codes + (row + r) * P.row_bytes;
+    p1[r] = p0[r] + P.plane0_bytes;
+    sp[r] = P.scales + (row + r) * groups;
+    tot[r] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c0 = g * group;
+    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
+    for (int r = 0; r < RT; ++r) {
+      for (int64_t off = 0; off < group / 4; off += 64)
+        __builtin_prefetch(p0[r] + c0 / 4 + kPrefetch + off, 0, 2);
+      if constexpr (BITS == 3)
+        for (int64_t off = 0; off < group / 8; off += 64)
+          __builtin_prefetch(p1[r] + c0 / 8 + kPrefetch / 2 + off, 0, 2);
+    }
+    __m256i acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t at = c0 + c * kChunk;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at + 32));
+      for (int r = 0; r < RT; ++r) {
+        const __m256i d = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0[r] + at / 4)));
+        __m256i i01 = _mm256_and_si256(_mm256_srlv_epi32(d, s01), low2);
+        __m256i i23 = _mm256_and_si256(_mm256_srlv_epi32(d, s23), low2);
+        if constexpr (BITS == 3) {
+          const __m128i w = _mm_cvtepu8_epi16(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1[r] + at / 8)));
+          const __m256i h =
+              _mm256_broadcastsi128_si256(_mm_blendv_epi8(w, _mm_slli_epi16(w, 4), odd));
+          i01 = _mm256_or_si256(i01, _mm256_and_si256(_mm256_sllv_epi32(h, h01), bit2));
+          i23 = _mm256_or_si256(i23, _mm256_and_si256(_mm256_srlv_epi32(h, h23), bit2));
+        }
+        const __m256i w01 = _mm256_shuffle_epi8(table, i01);
+        const __m256i w23 = _mm256_shuffle_epi8(table, i23);
+        const __m256i pa = _mm256_maddubs_epi16(_mm256_sign_epi8(w01, w01), _mm256_sign_epi8(x0, w01));
+        const __m256i pb = _mm256_maddubs_epi16(_mm256_sign_epi8(w23, w23), _mm256_sign_epi8(x1, w23));
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(pa, ones),
+                                                           _mm256_madd_epi16(pb, ones)));
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                               _mm256_set1_ps(_cvtsh_ss(sp[r][g]) * x.scale[g]), tot[r]);
+  }
+  for (int r = 0; r < RT; ++r) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+  }
+}
+
+// (qualified calls: the arguments' namespace holds the AVX-512 templates of these names)
+inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
+  alignas(32) uint8_t bytes[32];
+  const float step = level_table(P.codebook, P.bits, bytes, 0);
+  const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+  int64_t r = r0;
+  if (P.bits == 2) {
+    for (; r + kRows <= r1; r += kRows) avx2::dot_rows_small<2, kRows>(P, x, r, table, step);
+    for (; r < r1; ++r) avx2::dot_rows_small<2, 1>(P, x, r, table, step);
+  } else if (P.bits == 3) {
+    for (; r + kRows <= r1; r += kRows) avx2::dot_rows_small<3, kRows>(P, x, r, table, step);
+    for (; r < r1; ++r) avx2::dot_rows_small<3, 1>(P, x, r, table, step);
+  } else {
+    for (; r + kRows <= r1; r += kRows) avx2::dot_rows<kRows>(P, x, r, table, step);
+    for (; r < r1; ++r) avx2::dot_rows<1>(P, x, r, table, step);
+  }
+}
+
+}  // namespace tqcpu::i8gemv::avx2
+
+#pragma GCC pop_options
