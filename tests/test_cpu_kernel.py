@@ -744,3 +744,16 @@ def test_tq_cpu_isa_makes_a_narrower_cpu(cap: str, isa: str) -> None:
     out = subprocess.run([sys.executable, "-c", _CAPPED], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == [isa, isa, isa, "False", "True"]
+
+
+def test_the_queries_load_the_library_first() -> None:
+    """A fresh process may ask which products or variant a layer takes before any kernel
+    ran: each query loads the library before it looks up its operator."""
+    import subprocess
+    import sys
+
+    for query in ("cpu.gemv_products(4, 128, 4096)", "cpu.native_int8_gemv(3)",
+                  "cpu.kernel_isa(4, 128)"):
+        code = f"from tq_kernels import cpu; print({query})"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert out.returncode == 0, (query, out.stderr[-500:])

@@ -182,7 +182,8 @@ def native_int8_gemv(bits: int = 4, isa: str | None = None) -> bool:
     process's, TQ_CPU_ISA's cap included): AVX2 (vpmaddubsw) on any CPU that has it,
     AVX-512 with AVX512-VNNI's int8 dot products (and VBMI, at 2 and 3 bits) where the
     process runs AVX-512."""
-    return bool(torch.ops.tq_cpu.int8_gemv(bits, _isa_index(isa)))
+    index = _isa_index(isa)  # loads the library first
+    return bool(torch.ops.tq_cpu.int8_gemv(bits, index))
 
 
 def native_bf16_gemm() -> bool:
@@ -244,7 +245,8 @@ def active_isa() -> str:
 
 def kernel_isa(bits: int, group_size: int, isa: str | None = None) -> str:
     """The variant a layer of this width and group size runs."""
-    return ISAS[int(torch.ops.tq_cpu.kernel_isa(_isa_index(isa), bits, group_size))]
+    index = _isa_index(isa)  # loads the library first
+    return ISAS[int(torch.ops.tq_cpu.kernel_isa(index, bits, group_size))]
 
 
 _EMPTY_IDX = torch.empty(0, dtype=torch.int32)
