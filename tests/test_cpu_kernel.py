@@ -313,6 +313,65 @@ def test_int8_gemv_row_tails_group_blocks_and_threads(isa: str, bits: int, n: in
     assert bool((err <= 1e-6 * w + 1e-6 * want.abs()).all()), float((err / w).max())
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize(("n", "group"), [(576, 128), (896, 64), (4096, 2048)])
+def test_int8_gemv_of_affine_8bit_levels(isa: str, n: int, group: int) -> None:
+    """The AVX2 variant's one-row GEMV of 8-bit codes on an affine grid (the quantized
+    head's levels k - 127.5 times a step) multiplies the codes themselves by the int8
+    activations: the float32 sum of the rounded activations times the exact levels, to
+    float32 accumulation, on 42 rows (two past the last 4-row pass) and split over two
+    threads bit for bit; codes 0 against activations of 127 (the largest pair sums, at
+    the edge of vpmaddubsw's int16) do not saturate; a NaN gives NaN. With bf16 products
+    asked for, the affine float32 GEMV runs instead. The AVX-512 variant takes no int8
+    products at 8 bits."""
+    _runs(isa)
+    assert cpu.native_int8_gemv(8, isa) == (isa == "avx2")
+    if not _int8_variant(isa, 8):
+        pytest.skip(f"the {isa} variant takes no int8 products at 8 bits in this process")
+    out = 42
+    g = torch.Generator().manual_seed(n + group)
+    codes = torch.randint(0, 256, (out, n), dtype=torch.uint8, generator=g)
+    codes[0] = 0
+    scales = (0.01 + 0.02 * torch.rand(out, -(-n // group), generator=g)).half()
+    grid = (torch.arange(256, dtype=torch.float32) - 127.5) * 0.125
+    x = 3 * torch.randn(1, n, generator=g)
+    x[0, :group] = 2.0  # the first group all at 127 after rounding
+
+    def run(v: torch.Tensor = x) -> torch.Tensor:
+        return cpu.linear(v, None, 0, codes, scales, grid, None, None, None, bits=8,
+                          group_size=group, out_features=out, isa=isa, gemm_min_batch=0,
+                          gemm="bf16")
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    xq, _, _ = _int8_parts(x, grid, group)
+    weight = grid.double()[codes.long()] * scales.double().repeat_interleave(group, 1)[:, :n]
+    want, w = xq @ weight.T, xq.abs() @ weight.abs().T  # in float64
+    err = (one.double() - want).abs()
+    assert bool((err <= 1e-6 * w + 1e-6 * want.abs()).all()), float((err / w).max())
+    if isa == cpu.active_isa():
+        assert cpu.gemv_products(8, group, n, affine=True) == "int8"
+        assert cpu.gemv_products(8, group, n) == "fp32"  # levels not known to be affine
+    bad = x.clone()
+    bad[0, 7] = float("nan")
+    assert bool(run(bad).isnan().all())
+    exact = x.double() @ weight.T
+    cpu.set_gemv_products("bf16")
+    try:
+        fp32 = run()
+    finally:
+        cpu.set_gemv_products(None)
+    assert not torch.equal(fp32, one)
+    _check(fp32, exact, torch.float32)
+
+
 def test_gemv_products_follow_environment_and_setter(monkeypatch: pytest.MonkeyPatch) -> None:
     """TQ_CPU_GEMV picks the GEMV's products, read once (so what `gemv_choice` says is what
     the kernel was told) until the setter, which wins over it; a mistyped value warns and

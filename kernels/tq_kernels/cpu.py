@@ -14,10 +14,11 @@ says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap i
 Decode-sized batches take the lookup-table GEMV in float32, except one activation row of
 a 2-4-bit layer, which takes faster products where the CPU has them, under the same
 switch: int8 ones on CPUs with AVX512-VNNI (2- and 3-bit layers also need VBMI) and in
-the AVX2 variant (csrc/int8_gemv.h, llama.cpp's way: activations rounded to int8 per
-group), bf16 ones on AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x
-the float32 GEMV's rate). `TQ_CPU_GEMV=bf16` (or `set_gemv_products("bf16")`) keeps bf16
-products instead of int8 ones; `gemv_products` says which runs.
+the AVX2 variant, which also takes them for 8-bit layers on an affine grid (the head)
+(csrc/int8_gemv.h, llama.cpp's way: activations rounded to int8 per group), bf16 ones on
+AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate).
+`TQ_CPU_GEMV=bf16` (or `set_gemv_products("bf16")`) keeps bf16 products instead of int8
+ones; `gemv_products` says which runs.
 
 Variants are named by instruction set: "avx512", "avx2", "scalar". The best one the CPU
 supports is used; `TQ_CPU_ISA=avx2` (or `scalar`) caps it for a process, and tests pass
@@ -152,7 +153,8 @@ def _gemv_choice() -> str:
 
 
 def gemv_choice() -> str:
-    """The products asked for in the one-row GEMV of 2-4-bit layers: "int8" or "bf16"
+    """The products asked for in the one-row GEMV of 2-4-bit layers (and the AVX2
+    variant's affine 8-bit ones): "int8" or "bf16"
     (`set_gemv_products`, or TQ_CPU_GEMV as read when the kernel loaded or at the last
     `set_gemv_products` call); `gemv_products` says what a layer runs."""
     return _gemv_choice()
@@ -164,9 +166,10 @@ def _sync_gemv() -> None:
 
 def set_gemv_products(products: str | None) -> None:
     """Ask for "int8" (the default) or "bf16" products in the one-row GEMV of 2-4-bit
-    layers from now on, in this process, while bf16 products are asked for (int8 still
-    needs the CPU's support, `native_int8_gemv`); None goes back to TQ_CPU_GEMV or the
-    default. Unlike the GEMM's precision, a compiled decode step follows this at once."""
+    layers (and the AVX2 variant's affine 8-bit ones: "bf16" gives them float32) from
+    now on, in this process, while bf16 products are asked for (int8 still needs the
+    CPU's support, `native_int8_gemv`); None goes back to TQ_CPU_GEMV or the default.
+    Unlike the GEMM's precision, a compiled decode step follows this at once."""
     global _gemv_requested
     if products is not None and products not in GEMV_PRODUCTS:
         raise ValueError(f"products must be one of {', '.join(GEMV_PRODUCTS)}, "
@@ -178,10 +181,10 @@ def set_gemv_products(products: str | None) -> None:
 
 
 def native_int8_gemv(bits: int = 4, isa: str | None = None) -> bool:
-    """Whether the int8 GEMV runs for this width (2-4 bits) in a variant (default: the
-    process's, TQ_CPU_ISA's cap included): AVX2 (vpmaddubsw) on any CPU that has it,
-    AVX-512 with AVX512-VNNI's int8 dot products (and VBMI, at 2 and 3 bits) where the
-    process runs AVX-512."""
+    """Whether the int8 GEMV runs for this width (2-4 bits, or 8 on an affine grid) in a
+    variant (default: the process's, TQ_CPU_ISA's cap included): AVX2 (vpmaddubsw) on any
+    CPU that has it, at every width; AVX-512 with AVX512-VNNI's int8 dot products (and
+    VBMI, at 2 and 3 bits) where the process runs AVX-512, at 2-4 bits."""
     index = _isa_index(isa)  # loads the library first
     return bool(torch.ops.tq_cpu.int8_gemv(bits, index))
 
@@ -200,21 +203,23 @@ def gemm_precision() -> str:
     return "bf16" if _gemm_bf16() else "fp32"
 
 
-def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1) -> str:
+def gemv_products(bits: int, group_size: int, in_features: int, batch: int = 1,
+                  affine: bool = False) -> str:
     """The product precision of a GEMV (below GEMM_MIN_BATCH rows) now, for one activation
     row of a 2-, 3- or 4-bit layer whose group size and width hold whole 64-code chunks,
-    while bf16 products are asked for (`set_gemm_precision`): "int8" with groups of at
-    most 2048 where `native_int8_gemv(bits, <the layer's variant>)`, while the
-    GEMV's products are int8 (`set_gemv_products`, csrc/int8_gemv.h); else "bf16" on the
-    AVX-512 variant of a CPU with bf16 dot products (csrc/bf16_gemv.h); "fp32" otherwise."""
+    or an 8-bit one whose levels are an affine grid (affine: the quantized head's), while
+    bf16 products are asked for (`set_gemm_precision`): "int8" with groups of at most
+    2048 where `native_int8_gemv(bits, <the layer's variant>)`, while the GEMV's products
+    are int8 (`set_gemv_products`, csrc/int8_gemv.h); else "bf16" on the AVX-512 variant
+    of a CPU with bf16 dot products at 2-4 bits (csrc/bf16_gemv.h); "fp32" otherwise."""
     isa = kernel_isa(bits, group_size)
-    fits = (batch == 1 and 2 <= bits <= 4 and group_size % 64 == 0 and in_features % 64 == 0
-            and isa in ("avx512", "avx2"))
+    fits = (batch == 1 and (2 <= bits <= 4 or (bits == 8 and affine))
+            and group_size % 64 == 0 and in_features % 64 == 0 and isa in ("avx512", "avx2"))
     if not (fits and _fast_requested()):
         return "fp32"
     if group_size <= 2048 and _gemv_choice() == "int8" and native_int8_gemv(bits, isa):
         return "int8"
-    return "bf16" if isa == "avx512" and native_bf16_gemm() else "fp32"
+    return "bf16" if isa == "avx512" and bits <= 4 and native_bf16_gemm() else "fp32"
 
 
 def set_gemm_precision(precision: str | None) -> None:

@@ -40,10 +40,13 @@ constexpr int64_t kChunk = 64;
 constexpr int kRows = 4;             // weight rows per pass over x
 constexpr int64_t kPrefetch = 8192;  // as rows.inc: bytes ahead of each row's group
 
-// small: 2- and 3-bit layers too (the AVX-512 variant with VBMI)
-inline bool fits(const Problem& P, bool small) {
-  return (P.bits == 4 || (small && (P.bits == 2 || P.bits == 3))) && P.n % kChunk == 0 &&
-         P.group % kChunk == 0 && P.group <= 2048 && P.affine == nullptr;
+// small: 2- and 3-bit layers too (the AVX-512 variant with VBMI); affine8: 8-bit layers
+// whose levels are an exact affine grid (the AVX2 variant's dot_rows8)
+inline bool fits(const Problem& P, bool small, bool affine8 = false) {
+  const bool width = P.affine != nullptr
+                         ? affine8 && P.bits == 8
+                         : P.bits == 4 || (small && (P.bits == 2 || P.bits == 3));
+  return width && P.n % kChunk == 0 && P.group % kChunk == 0 && P.group <= 2048;
 }
 
 // The activation row, quantized: q [n] in the chunk layout above, per group its scale and
@@ -72,8 +75,10 @@ inline float level_table(const float* cb, int bits, uint8_t* table, int offset) 
 
 // Where value k of a 64-value chunk goes in the quantized row: 4-bit, even positions then
 // odd ones (a byte's low and high nibble); 2- and 3-bit, four runs of 16, run i holding
-// positions 4j + i (a plane-0 byte's four codes), as bf16_gemv.h's layouts.
+// positions 4j + i (a plane-0 byte's four codes), as bf16_gemv.h's layouts; 8-bit, in
+// order.
 inline int64_t chunk_pos(int bits, int64_t k) {
+  if (bits == 8) return k;  // a byte per code
   return bits == 4 ? (k % 2) * 32 + k / 2 : (k % 4) * 16 + k / 4;
 }
 

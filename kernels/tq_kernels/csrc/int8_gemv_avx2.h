@@ -2,7 +2,7 @@
 // shared declarations): the same activations and levels, multiplied as llama.cpp does
 // without VNNI: vpmaddubsw of |level| and x carrying the level's sign (vpsignb), pairs to
 // int32 by vpmaddwd. |level|, |x| <= 127 keep the int16 pair sums below 2^15, and signed
-// levels need no offset. 2-, 3- and 4-bit codes.
+// levels need no offset. 2-, 3- and 4-bit codes, and 8-bit ones on an affine grid.
 #pragma once
 
 #pragma GCC push_options
@@ -33,6 +33,13 @@ inline void quantize(const Problem& P, const float* xr, const Row& row) {
     row.scale[g] = bad ? NAN : inv > 0.f ? m / 127.f : 0.f;
     row.sum[g] = sum;
   }
+}
+
+// (avx2.h's hsum is compiled for BMI too, so it would not inline here)
+inline float hsum8(__m256 v) {
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
 }
 
 template <int RT>
@@ -74,11 +81,7 @@ inline void dot_rows(const Problem& P, const Row& x, int64_t row, __m256i table,
       tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
                                _mm256_set1_ps(_cvtsh_ss(sp[r][g]) * x.scale[g]), tot[r]);
   }
-  for (int r = 0; r < RT; ++r) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
-    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
-  }
+  for (int r = 0; r < RT; ++r) P.y[row + r] = step * hsum8(tot[r]);
 }
 
 // 2- and 3-bit codes as the AVX-512 variant's dot_rows_small reads them, with AVX2's
@@ -147,19 +150,73 @@ inline void dot_rows_small(const Problem& P, const Row& x, int64_t row, __m256i 
       tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
                                _mm256_set1_ps(_cvtsh_ss(sp[r][g]) * x.scale[g]), tot[r]);
   }
+  for (int r = 0; r < RT; ++r) P.y[row + r] = step * hsum8(tot[r]);
+}
+
+// 8-bit codes whose levels are an exact affine grid a + b k (the head's uniform codebook,
+// P.affine): no lookup. vpmaddubsw multiplies |k - 128| (at most 128) by x carrying the
+// sign of k - 128, so pair sums stay below 2^15; per group and row
+// sum(x (a + b k)) = b sum(x (k - 128)) + (a + 128 b) sum(x), the second term from the
+// group's sum of q. Exact up to groups of 2048 as above (each lane at most 256 * 128 * 127).
+template <int RT>
+inline void dot_rows8(const Problem& P, const Row& x, int64_t row) {
+  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const uint8_t* rp[RT];
+  const uint16_t* sp[RT];
+  __m256 tot[RT];
+  float sums[RT];
   for (int r = 0; r < RT; ++r) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(tot[r]), _mm256_extractf128_ps(tot[r], 1));
-    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    P.y[row + r] = step * _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+    rp[r] = P.codes + (row + r) * P.row_bytes;
+    sp[r] = P.scales + (row + r) * groups;
+    tot[r] = _mm256_setzero_ps();
+    sums[r] = 0.f;
   }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c0 = g * group;
+    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
+    for (int r = 0; r < RT; ++r)
+      for (int64_t off = 0; off < group; off += 64)
+        __builtin_prefetch(rp[r] + c0 + kPrefetch + off, 0, 2);
+    __m256i acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t at = c0 + c * kChunk;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at + 32));
+      for (int r = 0; r < RT; ++r) {
+        const __m256i k0 = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r] + at)), flip);
+        const __m256i k1 = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp[r] + at + 32)), flip);
+        const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(k0, k0), _mm256_sign_epi8(x0, k0));
+        const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(k1, k1), _mm256_sign_epi8(x1, k1));
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
+                                                           _mm256_madd_epi16(p1, ones)));
+      }
+    }
+    for (int r = 0; r < RT; ++r) {
+      const float s = _cvtsh_ss(sp[r][g]) * x.scale[g];
+      tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(s), tot[r]);
+      sums[r] += s * static_cast<float>(x.sum[g]);
+    }
+  }
+  const float a = P.affine[0], b = P.affine[1];
+  for (int r = 0; r < RT; ++r)
+    P.y[row + r] = b * hsum8(tot[r]) + (a + 128.f * b) * sums[r];
 }
 
 // (qualified calls: the arguments' namespace holds the AVX-512 templates of these names)
 inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  if (P.bits == 8) {
+    for (; r + kRows <= r1; r += kRows) avx2::dot_rows8<kRows>(P, x, r);
+    for (; r < r1; ++r) avx2::dot_rows8<1>(P, x, r);
+    return;
+  }
   alignas(32) uint8_t bytes[32];
   const float step = level_table(P.codebook, P.bits, bytes, 0);
   const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
-  int64_t r = r0;
   if (P.bits == 2) {
     for (; r + kRows <= r1; r += kRows) avx2::dot_rows_small<2, kRows>(P, x, r, table, step);
     for (; r < r1; ++r) avx2::dot_rows_small<2, 1>(P, x, r, table, step);

@@ -168,30 +168,23 @@ struct Outliers {
   }
 };
 
-// y[:, r0:r1] += x_rot @ S[r0:r1].T, then + bias. The walk goes from outlier to outlier
-// (a decode step's layer has a few hundred among a thousand-odd rows), each output taking
-// its row's terms in index order in a register (y and xr may alias as far as the compiler
-// knows). Compiled without FMA (no target pragma here): each term is rounded as a
-// product, then as a sum.
+// y[:, r0:r1] += x_rot @ S[r0:r1].T, then + bias. One pass over the rows' outliers (a
+// decode step's layer has a few hundred among a thousand-odd rows), each finding its row
+// by a 32-bit division rather than a walk over the rows, whose branches a CPU mispredicts
+// at every outlier; each output takes its row's terms in index order, as before.
+// Compiled without FMA (no target pragma here): each term is rounded as a product, then
+// as a sum.
 void epilogue(const Problem& P, const float* xr, const Outliers& o, const float* bias,
               int64_t r0, int64_t r1) {
-  const int64_t n = P.n, last = r1 * n;
-  int64_t j = o.first(r0 * n), r = r0, end = (r0 + 1) * n;
-  while (j < o.k && o.idx[j] < last) {
-    while (o.idx[j] >= end) {
-      ++r;
-      end += n;
+  const int64_t n = P.n, j0 = o.first(r0 * n), j1 = o.first(r1 * n);
+  const uint32_t un = static_cast<uint32_t>(n);  // flat indices are int32 (docs/format.md)
+  for (int64_t m = 0; m < P.M; ++m) {
+    const float* x = xr + m * n;
+    float* y = P.y + m * P.ldy;
+    for (int64_t i = j0; i < j1; ++i) {
+      const uint32_t at = static_cast<uint32_t>(o.idx[i]), r = at / un;
+      y[r] += x[at - r * un] * o.val[i];
     }
-    int64_t j1 = j + 1;
-    while (j1 < o.k && o.idx[j1] < end) ++j1;
-    const int64_t base = end - n;
-    for (int64_t m = 0; m < P.M; ++m) {
-      const float* x = xr + m * n;
-      float y = P.y[m * P.ldy + r];
-      for (int64_t i = j; i < j1; ++i) y += x[o.idx[i] - base] * o.val[i];
-      P.y[m * P.ldy + r] = y;
-    }
-    j = j1;
   }
   if (bias != nullptr)
     for (int64_t q = r0; q < r1; ++q)
@@ -322,14 +315,15 @@ bool has_vnni() {
 
 // Whether a GEMV runs with int8 products: one activation row of a layer it fits, the
 // AVX-512 variant on a CPU with VNNI (with or without bf16 dot products; 2 and 3 bits
-// also need VBMI) or the AVX2 one (vpmaddubsw), asked for, and
+// also need VBMI) or the AVX2 one (vpmaddubsw; also 8-bit layers on an affine grid, as the
+// head's), asked for, and
 // the fast products class asked for (bf16_gemm: TQ_CPU_GEMM=fp32 keeps float32 products
 // everywhere).
 bool int8_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
 #ifdef TQ_INT8_GEMV
   if (!(M == 1 && bf16 && gemv_int8.load(std::memory_order_relaxed))) return false;
   if (l.eisa == kAvx512) return has_vnni() && i8gemv::fits(P, has_vbmi());
-  return l.eisa == kAvx2 && i8gemv::fits(P, true);
+  return l.eisa == kAvx2 && i8gemv::fits(P, true, true);
 #else
   (void)P, (void)l, (void)M, (void)bf16;
   return false;
@@ -445,10 +439,12 @@ void set_isa_cap(int64_t isa) { isa_cap.store(static_cast<int>(isa), std::memory
 
 bool bf16_gemm() { return bf16_products(); }
 
-// Whether the int8 GEMV runs for a width (2-4 bits) in a variant: AVX2 on any CPU that has
-// it, AVX-512 with VNNI (and VBMI, at 2 and 3 bits) where the process runs AVX-512.
+// Whether the int8 GEMV runs for a width (2-4 bits; 8 on an affine grid, AVX2 only) in a
+// variant: AVX2 on any CPU that has it, AVX-512 with VNNI (and VBMI, at 2 and 3 bits)
+// where the process runs AVX-512.
 bool int8_gemv_native(int64_t bits, int64_t isa) {
 #ifdef TQ_INT8_GEMV
+  if (isa == kAvx2 && bits == 8) return best_isa() >= kAvx2;
   if (bits < 2 || bits > 4) return false;
   if (isa == kAvx2) return best_isa() >= kAvx2;
   return isa == kAvx512 && has_vnni() && (bits == 4 || has_vbmi());
