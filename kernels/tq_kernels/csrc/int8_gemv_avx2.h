@@ -10,28 +10,71 @@
 
 namespace tqcpu::i8gemv::avx2 {
 
-// The same rounding as `quantize` (float32 product, to nearest even), one value at a time.
+// 64 rounded values (int32, natural order) as int8 in the chunk layout of `chunk_pos`.
+inline void store_chunk(const __m256i (&v)[8], int bits, int8_t* out) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256i a = _mm256_permutevar8x32_epi32(  // values 0-31, in order
+      _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
+  __m256i b = _mm256_permutevar8x32_epi32(  // values 32-63
+      _mm256_packs_epi16(_mm256_packs_epi32(v[4], v[5]), _mm256_packs_epi32(v[6], v[7])), order);
+  if (bits == 4) {  // even positions, then odd ones
+    const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(a, eo), 0xD8);  // E0 E1 O0 O1
+    b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, eo), 0xD8);  // E2 E3 O2 O3
+    const __m256i even = _mm256_permute2x128_si256(a, b, 0x20), odd = _mm256_permute2x128_si256(a, b, 0x31);
+    a = even;
+    b = odd;
+  } else if (bits != 8) {  // four runs of 16: run i holds positions 4j + i
+    const __m256i by4 = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                         0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    a = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(a, by4), order);
+    b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(b, by4), order);
+    const __m256i lo = _mm256_unpacklo_epi64(a, b), hi = _mm256_unpackhi_epi64(a, b);
+    a = _mm256_permute2x128_si256(lo, hi, 0x20);  // runs 0, 1
+    b = _mm256_permute2x128_si256(lo, hi, 0x31);  // runs 2, 3
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), a);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), b);
+}
+
+// The same rounding as the AVX-512 `quantize` (float32 product, to nearest even), 8 values
+// a vector; groups hold whole 64-value chunks (`fits`).
 inline void quantize(const Problem& P, const float* xr, const Row& row) {
+  const __m256 sign = _mm256_set1_ps(-0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   for (int64_t g = 0; g < P.groups; ++g) {
     const int64_t c0 = g * P.group, c1 = std::min(P.n, c0 + P.group);
+    __m256 m8 = _mm256_setzero_ps(), bad8 = _mm256_setzero_ps();
+    for (int64_t c = c0; c < c1; c += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + c);
+      m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, v));
+      bad8 = _mm256_add_ps(bad8, _mm256_sub_ps(v, v));  // NaN where v is NaN or infinite
+    }
+    alignas(32) float ms[8], bs[8];
+    _mm256_store_ps(ms, m8);
+    _mm256_store_ps(bs, bad8);
     float m = 0.f;
     bool bad = false;
-    for (int64_t c = c0; c < c1; ++c) {
-      m = std::max(m, std::fabs(xr[c]));
-      bad = bad || !std::isfinite(xr[c]);
-    }
+    for (int k = 0; k < 8; ++k) m = std::max(m, ms[k]), bad = bad || std::isnan(bs[k]);
     const float inv = m > 0.f && std::isfinite(127.f / m) && !bad ? 127.f / m : 0.f;
-    int32_t sum = 0;
-    for (int64_t c = c0; c < c1; c += kChunk)
-      for (int64_t k = 0; k < kChunk; ++k) {
-        const float v = inv > 0.f ? std::clamp(std::nearbyint(xr[c + k] * inv), -127.f, 127.f)
-                                  : 0.f;
-        const int64_t at = c + chunk_pos(P.bits, k);
-        row.q[at] = static_cast<int8_t>(v);  // 0 where inv is 0 (bad groups too)
-        sum += row.q[at];
+    __m256i sum = _mm256_setzero_si256();
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t c = c0; c < c1; c += kChunk) {
+      __m256i v[8];
+      for (int k = 0; k < 8; ++k) {
+        const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + c + 8 * k), vinv),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        // 0 where inv is 0 (bad groups too: their products may be NaN)
+        v[k] = inv > 0.f ? _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi))
+                         : _mm256_setzero_si256();
+        sum = _mm256_add_epi32(sum, v[k]);
       }
+      store_chunk(v, P.bits, row.q + c);
+    }
+    alignas(32) int32_t ss[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ss), sum);
     row.scale[g] = bad ? NAN : inv > 0.f ? m / 127.f : 0.f;
-    row.sum[g] = sum;
+    row.sum[g] = ss[0] + ss[1] + ss[2] + ss[3] + ss[4] + ss[5] + ss[6] + ss[7];
   }
 }
 
