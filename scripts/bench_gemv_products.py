@@ -12,6 +12,10 @@ other, best of 9 loops. Reports microseconds, the ratios to float32, and the pac
 (codes and scales) read per second by the fastest. --isa names the variant (avx2 on an
 AVX-512 machine runs what an AVX2 CPU runs). The weights stay in cache between calls for
 the small shapes (a decode step reads them once per token, from L2/L3 on SmolLM2's 56 MB).
+Then the 8-bit heads of SmolLM2 (49152x576, 28 MB) and the Qwen2.5-0.5B shape (151936x896,
+136 MB: larger than a desktop L3, so it streams from memory), on the uniform codebook a
+stored head has (levels k - 127.5: an affine grid), random codes and scales, float32 and
+int8 products (int8 where `native_int8_gemv(8)`: the AVX2 variant).
 """
 
 from __future__ import annotations
@@ -21,15 +25,16 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from tq_cli.quant.grouped import QuantizedTensor
 from tq_cli.quant.prepare import quantize
 from tq_cli.quant.spec import QuantSpec, RotationSpec
 from tq_kernels import cpu
 
 SHAPES = [(1536, 576), (576, 1536), (4096, 4096), (14336, 4096)]
+HEADS = [(49152, 576), (151936, 896)]
 
 
 def best_us(f: Callable[[], object], reps: int) -> float:
@@ -42,6 +47,38 @@ def best_us(f: Callable[[], object], reps: int) -> float:
             f()
         best = min(best, (time.perf_counter() - t) / reps)
     return best * 1e6
+
+
+def time_layer(name: str, out: int, n: int, bits: int, codes: torch.Tensor,
+               scales: torch.Tensor, codebook: torch.Tensor, int8: bool,
+               isa: str | None) -> dict[str, Any]:
+    """One layer's GEMV with each product; prints and returns its row."""
+    x = torch.randn(1, n)
+    us = {}
+    runs = [("fp32", "fp32", "bf16"), ("bf16", "bf16", "bf16")] if bits <= 4 else [
+        ("fp32", "bf16", "bf16")]  # 8 bits: "bf16" products are float32 ones there
+    if int8:
+        runs.append(("int8", "bf16", "int8"))
+    for label, gemm, gemv in runs:
+        kw = {"bits": bits, "group_size": 128, "out_features": out,
+              "gemm_min_batch": 0, "gemm": gemm, "isa": isa}
+
+        def call(kw: dict = kw) -> torch.Tensor:
+            return cpu.linear(x, None, 0, codes, scales, codebook, None, None, None, **kw)
+
+        cpu.set_gemv_products(gemv)
+        us[label] = best_us(call, max(3, int(2e7 / (out * n))))
+    cpu.set_gemv_products(None)
+    nbytes = codes.numel() + scales.numel() * 2
+    fastest = min(us.values())
+    row = {"shape": name, "bits": bits,
+           **{f"{k}_us": round(v, 1) for k, v in us.items()},
+           **{f"{k}_speedup": round(us["fp32"] / v, 2) for k, v in us.items() if k != "fp32"},
+           "fastest_gb_s": round(nbytes / fastest / 1e3, 1)}
+    print(f"{name:>10} {bits}-bit: " + ", ".join(
+        f"{k} {v:8.1f} us" + (f" (x{us['fp32'] / v:.2f})" if k != "fp32" else "")
+        for k, v in us.items()) + f"; fastest {row['fastest_gb_s']} GB/s", flush=True)
+    return row
 
 
 def main() -> int:
@@ -58,34 +95,16 @@ def main() -> int:
         for bits in (4, 3, 2):
             q = quantize(w, QuantSpec(bits=bits, group_size=128, outliers=0.0),
                          RotationSpec(kind="none"))
-            x = torch.randn(1, n)
-            us = {}
-            runs = [("fp32", "fp32", "bf16"), ("bf16", "bf16", "bf16")]
-            if args.isa == "avx2" or cpu.native_int8_gemv(bits):
-                runs.append(("int8", "bf16", "int8"))
-            for name, gemm, gemv in runs:
-                kw = {"bits": bits, "group_size": 128, "out_features": out,
-                      "gemm_min_batch": 0, "gemm": gemm, "isa": args.isa}
-
-                def call(x: torch.Tensor = x, q: QuantizedTensor = q, kw: dict = kw,
-                         gemv: str = gemv) -> torch.Tensor:
-                    return cpu.linear(x, None, 0, q.codes, q.scales, q.codebook, None, None,
-                                      None, **kw)
-
-                cpu.set_gemv_products(gemv)
-                us[name] = best_us(call, max(3, int(2e7 / (out * n))))
-            cpu.set_gemv_products(None)
-            nbytes = q.codes.numel() + q.scales.numel() * 2
-            fastest = min(us.values())
-            row = {"shape": f"{out}x{n}", "bits": bits,
-                   **{f"{k}_us": round(v, 1) for k, v in us.items()},
-                   **{f"{k}_speedup": round(us["fp32"] / v, 2) for k, v in us.items()
-                      if k != "fp32"},
-                   "fastest_gb_s": round(nbytes / fastest / 1e3, 1)}
-            rows.append(row)
-            print(f"{row['shape']:>10} {bits}-bit: " + ", ".join(
-                f"{k} {v:8.1f} us" + (f" (x{us['fp32'] / v:.2f})" if k != "fp32" else "")
-                for k, v in us.items()) + f"; fastest {row['fastest_gb_s']} GB/s", flush=True)
+            int8 = args.isa == "avx2" or cpu.native_int8_gemv(bits)
+            rows.append(time_layer(f"{out}x{n}", out, n, bits, q.codes, q.scales, q.codebook,
+                                   int8, args.isa))
+    for out, n in HEADS:
+        g = torch.Generator().manual_seed(out + n)
+        codes = torch.randint(0, 256, (out, n), dtype=torch.uint8, generator=g)
+        scales = (0.01 * torch.rand(out, -(-n // 128), generator=g)).half()
+        levels = torch.arange(256, dtype=torch.float32) - 127.5
+        rows.append(time_layer(f"{out}x{n}", out, n, 8, codes, scales, levels,
+                               cpu.native_int8_gemv(8, args.isa), args.isa))
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads,
                                          "isa": args.isa or cpu.active_isa(),

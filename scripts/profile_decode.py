@@ -2,17 +2,22 @@
 optionally torch.profiler's table of one generate() call.
 
 Usage: python scripts/profile_decode.py TQ_FOLDER [--threads 1] [--tokens 64] [--profile]
+           [--loop SECONDS]
 
 Loads the checkpoint with `tq_cli.load`'s defaults (the compiled decode step on the CPU),
 warms up with one generate() call (which compiles), then times --tokens greedy tokens
 (EOS off, as bench_decode.py) three times and prints the best as tokens/s and ms a token.
 --profile adds the operators' self-time table of one more call (tq's linear operator,
-the compiled graph's own code, dynamo's cache lookup, attention, ...).
+the compiled graph's own code, dynamo's cache lookup, attention, ...). --loop keeps
+generating for that many seconds after the timing (after printing `looping, pid N`), for
+a sampling profiler to attach to the steady state, e.g.
+`perf record -F 1999 -g -p N -- sleep 15` then `perf report --no-children --sort dso,symbol`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +38,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--loop", type=float, default=0.0, help="seconds of generating after")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -55,6 +61,13 @@ def main() -> int:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 model.generate(ids, generation_config=config)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        if args.loop > 0:
+            print(f"looping, pid {os.getpid()}", flush=True)
+            end, calls = time.perf_counter() + args.loop, 0
+            while time.perf_counter() < end:
+                model.generate(ids, generation_config=config)
+                calls += 1
+            print(f"looped {calls} calls", flush=True)
     return 0
 
 
