@@ -12,9 +12,9 @@ the 4-bit weight's own error (docs/decisions.md). `TQ_CPU_GEMM=fp32` keeps float
 products for a process, `set_gemm_precision()` switches from Python, `gemm_precision()`
 says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap it.
 Decode-sized batches take the lookup-table GEMV in float32, except one activation row of
-a 2-4-bit layer, which takes faster products where the CPU has them, under the same
-switch: int8 ones on CPUs with AVX512-VNNI (2- and 3-bit layers also need VBMI) and in
-the AVX2 variant, which also takes them for 8-bit layers on an affine grid (the head)
+a 2-4-bit layer (and, in the AVX2 variant, of an 8-bit one on an affine grid: the head),
+which takes faster products where the CPU has them, under the same switch: int8 ones on
+CPUs with AVX512-VNNI (2- and 3-bit layers also need VBMI) and in the AVX2 variant
 (csrc/int8_gemv.h, llama.cpp's way: activations rounded to int8 per group), bf16 ones on
 AVX512-BF16 CPUs otherwise (csrc/bf16_gemv.h, 1.2-1.7x the float32 GEMV's rate).
 `TQ_CPU_GEMV=bf16` (or `set_gemv_products("bf16")`) keeps bf16 products instead of int8
@@ -183,7 +183,7 @@ def set_gemv_products(products: str | None) -> None:
 def native_int8_gemv(bits: int = 4, isa: str | None = None) -> bool:
     """Whether the int8 GEMV runs for this width (2-4 bits, or 8 on an affine grid) in a
     variant (default: the process's, TQ_CPU_ISA's cap included): AVX2 (vpmaddubsw) on any
-    CPU that has it, at every width; AVX-512 with AVX512-VNNI's int8 dot products (and
+    CPU that has it, at 2-4 bits and 8; AVX-512 with AVX512-VNNI's int8 dot products (and
     VBMI, at 2 and 3 bits) where the process runs AVX-512, at 2-4 bits."""
     index = _isa_index(isa)  # loads the library first
     return bool(torch.ops.tq_cpu.int8_gemv(bits, index))

@@ -1,7 +1,9 @@
 // The decode GEMV (one activation row) of 2-, 3- and 4-bit layers with 8-bit integer dot
 // products: llama.cpp's way of multiplying a non-uniform 4-bit grid (its IQ4_NL), applied
 // to tq's codebooks. AVX512-VNNI's vpdpbusd here (2 and 3 bits also need VBMI), the AVX2
-// variant's vpmaddubsw in int8_gemv_avx2.h.
+// variant's vpmaddubsw in int8_gemv_avx2.h, which also takes 8-bit layers whose levels
+// are an affine grid (the head: the codes themselves, no level rounding; `dot_rows8`,
+// with its own exactness bound).
 //
 // - The levels become int8 on a grid of max|level| / 127 (`level_table`): one vpshufb or
 //   vpermb decodes 32 codes. For vpdpbusd they are stored as level + 128 (unsigned),
@@ -11,7 +13,8 @@
 // - The rotated activation row becomes int8 per weight group (`quantize`): scale
 //   max|x| / 127, round to nearest even. Per 64 codes, in the order the codes are read
 //   (`chunk_pos`): 4-bit, even positions first, then odd ones (a byte holds codes 2b and
-//   2b + 1); 2- and 3-bit, four runs of 16 (a plane-0 byte holds codes 4j..4j+3).
+//   2b + 1); 2- and 3-bit, four runs of 16 (a plane-0 byte holds codes 4j..4j+3); 8-bit,
+//   in order.
 // - Per group and row: the integer sum, to float, times the group's fp16 scale and the
 //   activations' scale, accumulated in float32; the level grid's step at the end.
 //
