@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -116,6 +116,20 @@ def _int8_rounding(x: torch.Tensor, q: QuantizedTensor, signs: torch.Tensor | No
     level = float(q.codebook.abs().max()) / 254
     dw = q.scales.float().abs().repeat_interleave(group, -1)[:, :xr.shape[-1]] * level
     return half @ w.T + (xr.abs() + half) @ dw.T + 2e-6 * (xr.abs() @ w.T)
+
+
+def _same_on_one_and_two_threads(run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """run() on one thread, checked equal bit for bit to run() on two."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    return one
 
 
 def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
@@ -295,15 +309,7 @@ def test_int8_gemv_row_tails_group_blocks_and_threads(isa: str, bits: int, n: in
                           bits=bits, group_size=group, out_features=out, isa=isa,
                           gemm_min_batch=0, gemm="bf16")
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(2)
-        two = run()
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    one = _same_on_one_and_two_threads(run)
     xq, levels, step = _int8_parts(x, q.codebook, group)
     args = {"bits": bits, "group_size": group, "out_features": out, "in_features": n}
     want = reference.grouped_matmul(xq, q.codes, q.scales.double(),
@@ -344,15 +350,7 @@ def test_int8_gemv_of_affine_8bit_levels(isa: str, n: int, group: int) -> None:
                           group_size=group, out_features=out, isa=isa, gemm_min_batch=0,
                           gemm="bf16")
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(2)
-        two = run()
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    one = _same_on_one_and_two_threads(run)
     xq, _, _ = _int8_parts(x, grid, group)
     weight = grid.double()[codes.long()] * scales.double().repeat_interleave(group, 1)[:, :n]
     want, w = xq @ weight.T, xq.abs() @ weight.abs().T  # in float64
