@@ -121,7 +121,8 @@ def _torchrun(*args: str) -> None:
     import subprocess
     import sys
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # a rank that aborts prints its threads' Python stacks
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "-m", "tq_cli", *args],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -204,3 +205,37 @@ def test_two_gloo_ranks_calibrate_as_one_process(llama4: Path, tmp_path: Path) -
         ha, hb = a.hessian(name), b.hessian(name)
         assert ha is not None and hb is not None
         torch.testing.assert_close(ha, hb, rtol=1e-5, atol=1e-6)
+
+
+_GROUP_OUTLIVES = """
+import os, sys, tempfile
+import torch.distributed as dist
+from tq_cli.parallel import init_process_group
+store = "file://" + os.path.join(tempfile.mkdtemp(), "store")
+if sys.argv[1] == "tq":
+    init_process_group("gloo", init_method=store, rank=0, world_size=1)
+else:
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+import torch.distributed.nn  # what transformers imports (through FSDP) to build a model
+dist.destroy_process_group()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sum(n.startswith(("gloo", "pt_gloo")) for n in names))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")
+def test_the_process_group_is_gone_after_destroy_though_a_module_bound_it() -> None:
+    """torch.distributed.nn, imported after the group exists, holds it in its functions'
+    defaults: gloo's threads would outlive destroy_process_group and be torn down while
+    the interpreter finalizes (a rank aborted so, its work done). tq's init imports it first."""
+    import subprocess
+    import sys
+
+    def gloo_threads(how: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", _GROUP_OUTLIVES, how],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return int(proc.stdout.split()[-1])
+
+    assert gloo_threads("torch") > 0  # the hazard is real with torch's own init
+    assert gloo_threads("tq") == 0

@@ -70,6 +70,21 @@ class Comm:
         return slice(start, start + base + (1 if self.rank < extra else 0))
 
 
+def init_process_group(backend: str, **kwargs: Any) -> None:
+    """`torch.distributed.init_process_group`, after importing `torch.distributed.nn`.
+
+    That module binds `group.WORLD` as the default argument of its functions when it is
+    first imported, and transformers imports it (through FSDP) when it builds a model. Imported
+    after the group exists, it holds ten references to the default group that
+    `destroy_process_group` cannot drop: gloo's threads then outlive it and are torn down
+    during interpreter finalization, where a rank can abort ("terminate called without an
+    active exception") after its work is done. Imported first, the defaults are None."""
+    import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401
+
+    dist.init_process_group(backend, timeout=TIMEOUT, **kwargs)
+
+
 def torchrun_comm() -> Comm | None:
     """The Comm of this torchrun rank, or None when not launched by torchrun."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -87,7 +102,7 @@ def torchrun_comm() -> Comm | None:
         # for CUDA tensors when asked for.
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and os.environ.get(
             "TQ_DIST_BACKEND", "gloo") == "nccl" else "gloo"
-        dist.init_process_group(backend, timeout=TIMEOUT)
+        init_process_group(backend)
     return Comm(dist.get_rank(), dist.get_world_size())
 
 

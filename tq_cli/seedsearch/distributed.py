@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tq_cli.parallel import TIMEOUT, Comm, torchrun_comm
+from tq_cli.parallel import Comm, init_process_group, torchrun_comm
 
 __all__ = ["Comm", "run_local", "torchrun_comm"]
 
@@ -29,11 +29,9 @@ def _free_port() -> int:
 
 
 def _init(rank: int, world: int, port: int) -> Comm:
-    import torch.distributed as dist
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=TIMEOUT)
+    init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                       world_size=world)
     return Comm(rank, world)
 
 
