@@ -184,7 +184,7 @@ def native_int8_gemv(bits: int = 4, isa: str | None = None) -> bool:
     """Whether the int8 GEMV runs for this width (2-4 bits, or 8 on an affine grid) in a
     variant (default: the process's, TQ_CPU_ISA's cap included): AVX2 (vpmaddubsw) on any
     CPU that has it, at 2-4 bits and 8; AVX-512 with AVX512-VNNI's int8 dot products (and
-    VBMI, at 2 and 3 bits) where the process runs AVX-512, at 2-4 bits."""
+    VBMI, at 2 and 3 bits) where the process runs AVX-512, at 2-4 bits and 8."""
     index = _isa_index(isa)  # loads the library first
     return bool(torch.ops.tq_cpu.int8_gemv(bits, index))
 

@@ -1,8 +1,8 @@
 // The decode GEMV (one activation row) of 2-, 3- and 4-bit layers with 8-bit integer dot
 // products: llama.cpp's way of multiplying a non-uniform 4-bit grid (its IQ4_NL), applied
 // to tq's codebooks. AVX512-VNNI's vpdpbusd here (2 and 3 bits also need VBMI), the AVX2
-// variant's vpmaddubsw in int8_gemv_avx2.h, which also takes 8-bit layers whose levels
-// are an affine grid (the head: the codes themselves, no level rounding; `dot_rows8`,
+// variant's vpmaddubsw in int8_gemv_avx2.h. Both also take 8-bit layers whose levels are
+// an affine grid (the head: the codes themselves, no level rounding; `dot_rows8`, each
 // with its own exactness bound).
 //
 // - The levels become int8 on a grid of max|level| / 127 (`level_table`): one vpshufb or
@@ -44,7 +44,7 @@ constexpr int kRows = 4;             // weight rows per pass over x
 constexpr int64_t kPrefetch = 8192;  // as rows.inc: bytes ahead of each row's group
 
 // small: 2- and 3-bit layers too (the AVX-512 variant with VBMI); affine8: 8-bit layers
-// whose levels are an exact affine grid (the AVX2 variant's dot_rows8)
+// whose levels are an exact affine grid (dot_rows8)
 inline bool fits(const Problem& P, bool small, bool affine8 = false) {
   const bool width = P.affine != nullptr
                          ? affine8 && P.bits == 8
@@ -119,11 +119,11 @@ inline void quantize(const Problem& P, const float* xr, const Row& row) {
     for (int64_t c = c0; c < c1; c += kChunk) {
       const __m512 a = _mm512_loadu_ps(xr + c), b = _mm512_loadu_ps(xr + c + 16);
       const __m512 d = _mm512_loadu_ps(xr + c + 32), f = _mm512_loadu_ps(xr + c + 48);
-      __m512 parts[4];
+      __m512 parts[4] = {a, b, d, f};  // 8-bit: in order
       if (P.bits == 4) {
         parts[0] = _mm512_permutex2var_ps(a, e, b), parts[1] = _mm512_permutex2var_ps(d, e, f);
         parts[2] = _mm512_permutex2var_ps(a, o, b), parts[3] = _mm512_permutex2var_ps(d, o, f);
-      } else {
+      } else if (P.bits != 8) {
         for (int k = 0; k < 4; ++k) {
           const __m512i idx = _mm512_add_epi32(s4, _mm512_set1_epi32(k));
           parts[k] = _mm512_shuffle_f32x4(_mm512_permutex2var_ps(a, idx, b),
@@ -151,6 +151,58 @@ inline void quantize(const Problem& P, const float* xr, const Row& row) {
 #include "int8_dot4.inc"
 #undef TQ_I8_DOT4
 #undef TQ_I8_DECODE4
+
+// RT rows of an 8-bit layer whose levels are the affine grid a + b * k (the head's):
+// vpdpbusd multiplies the codes k themselves (unsigned) by the int8 activations, and each
+// group adds a * sum(x) beside b * sum(k x). Per group of at most 2048 codes each of the
+// 16 lanes sums at most 128 products of at most 255 * 127: below 2^24, exact in float32.
+template <int RT>
+inline void dot_rows8(const Problem& P, const Row& x, int64_t row) {
+  const int64_t groups = P.groups, group = P.group, chunks = group / kChunk;
+  const uint8_t* rp[RT];
+  const uint16_t* sp[RT];
+  __m512 tot[RT];
+  float sums[RT];
+  for (int r = 0; r < RT; ++r) {
+    rp[r] = P.codes + (row + r) * P.row_bytes;
+    sp[r] = P.scales + (row + r) * groups;
+    tot[r] = _mm512_setzero_ps();
+    sums[r] = 0.f;
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c0 = g * group;
+    const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
+    for (int r = 0; r < RT; ++r)
+      for (int64_t off = 0; off < group; off += 64)
+        __builtin_prefetch(rp[r] + c0 + kPrefetch + off, 0, 2);
+    __m512i acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t at = c0 + c * kChunk;
+      const __m512i xv = _mm512_loadu_si512(x.q + at);
+      for (int r = 0; r < RT; ++r)
+        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(rp[r] + at), xv);
+    }
+    for (int r = 0; r < RT; ++r) {
+      const float s = _cvtsh_ss(sp[r][g]) * x.scale[g];
+      tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(s), tot[r]);
+      // std::fma, not `+= s * sum`: GCC contracts that or not depending on RT, and a row
+      // must not depend on which pass (threads' row ranges) computed it
+      sums[r] = std::fma(s, static_cast<float>(x.sum[g]), sums[r]);
+    }
+  }
+  const float a = P.affine[0], b = P.affine[1];
+  for (int r = 0; r < RT; ++r) {
+    const float shift = a * sums[r];
+    P.y[row + r] = std::fma(b, _mm512_reduce_add_ps(tot[r]), shift);
+  }
+}
+
+inline void rows8(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows) dot_rows8<kRows>(P, x, r);
+  for (; r < r1; ++r) dot_rows8<1>(P, x, r);
+}
 
 inline void rows_plain(const Problem& P, const Row& x, int64_t r0, int64_t r1) {
   alignas(32) uint8_t bytes[32];
@@ -285,7 +337,8 @@ namespace tqcpu::i8gemv {
 // the CPU has AVX512-VBMI (vpermb decodes a code without masking it first; 2- and 3-bit
 // layers need it). Compiled for any x86-64: it only calls the variant the CPU has.
 inline void rows(const Problem& P, const Row& x, int64_t r0, int64_t r1, bool vbmi) {
-  if (vbmi) rows_vbmi(P, x, r0, r1);
+  if (P.bits == 8) rows8(P, x, r0, r1);
+  else if (vbmi) rows_vbmi(P, x, r0, r1);
   else rows_plain(P, x, r0, r1);
 }
 

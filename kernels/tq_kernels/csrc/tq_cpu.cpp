@@ -315,14 +315,14 @@ bool has_vnni() {
 
 // Whether a GEMV runs with int8 products: one activation row of a layer it fits, the
 // AVX-512 variant on a CPU with VNNI (with or without bf16 dot products; 2 and 3 bits
-// also need VBMI) or the AVX2 one (vpmaddubsw; also 8-bit layers on an affine grid, as the
-// head's), asked for, and
+// also need VBMI) or the AVX2 one (vpmaddubsw), both also for 8-bit layers on an affine
+// grid (the head's), asked for, and
 // the fast products class asked for (bf16_gemm: TQ_CPU_GEMM=fp32 keeps float32 products
 // everywhere).
 bool int8_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
 #ifdef TQ_INT8_GEMV
   if (!(M == 1 && bf16 && gemv_int8.load(std::memory_order_relaxed))) return false;
-  if (l.eisa == kAvx512) return has_vnni() && i8gemv::fits(P, has_vbmi());
+  if (l.eisa == kAvx512) return has_vnni() && i8gemv::fits(P, has_vbmi(), true);
   return l.eisa == kAvx2 && i8gemv::fits(P, true, true);
 #else
   (void)P, (void)l, (void)M, (void)bf16;
@@ -439,12 +439,12 @@ void set_isa_cap(int64_t isa) { isa_cap.store(static_cast<int>(isa), std::memory
 
 bool bf16_gemm() { return bf16_products(); }
 
-// Whether the int8 GEMV runs for a width (2-4 bits; 8 on an affine grid, AVX2 only) in a
+// Whether the int8 GEMV runs for a width (2-4 bits; 8 on an affine grid) in a
 // variant: AVX2 on any CPU that has it, AVX-512 with VNNI (and VBMI, at 2 and 3 bits)
 // where the process runs AVX-512.
 bool int8_gemv_native(int64_t bits, int64_t isa) {
 #ifdef TQ_INT8_GEMV
-  if (isa == kAvx2 && bits == 8) return best_isa() >= kAvx2;
+  if (bits == 8) return isa == kAvx2 ? best_isa() >= kAvx2 : isa == kAvx512 && has_vnni();
   if (bits < 2 || bits > 4) return false;
   if (isa == kAvx2) return best_isa() >= kAvx2;
   return isa == kAvx512 && has_vnni() && (bits == 4 || has_vbmi());
