@@ -186,9 +186,11 @@ inline void dot_rows_small(const Problem& P, const uint16_t* xb, int64_t row, __
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t c0 = g * group;
     const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
+    // 3 bits: the row's bytes in step with its groups, both planes (as int8_gemv.h)
+    const int64_t span = BITS == 3 ? group * 3 / 8 : group / 4;
     for (int r = 0; r < RT; ++r)
-      for (int64_t off = 0; off < group / 4; off += 64)
-        __builtin_prefetch(r0[r] + c0 / 4 + kPrefetch + off, 0, 2);
+      for (int64_t off = 0; off < span; off += 64)
+        __builtin_prefetch(r0[r] + g * span + kPrefetch + off, 0, 2);
     __m256 acc[RT][2];
     for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nch; ++c) {

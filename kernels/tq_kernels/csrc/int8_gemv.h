@@ -270,13 +270,11 @@ inline void dot_rows_small(const Problem& P, const Row& x, int64_t row, __m256i 
     }
     const int64_t c0 = g * group;
     const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
-    for (int r = 0; r < RT; ++r) {
-      for (int64_t off = 0; off < group / 4; off += 64)
-        __builtin_prefetch(p0[r] + c0 / 4 + kPrefetch + off, 0, 2);
-      if constexpr (BITS == 3)  // plane 1, as far ahead in codes
-        for (int64_t off = 0; off < group / 8; off += 64)
-          __builtin_prefetch(p1[r] + c0 / 8 + kPrefetch / 2 + off, 0, 2);
-    }
+    // The row's bytes in step with its groups (both planes: rows are contiguous, so each
+    // row's share, kPrefetch on, tiles the rows ahead without gaps)
+    for (int r = 0; r < RT; ++r)
+      for (int64_t off = 0; off < group * BITS / 8; off += 64)
+        __builtin_prefetch(p0[r] + g * (group * BITS / 8) + kPrefetch + off, 0, 2);
     const __m256i start = _mm256_set1_epi32(-16 * x.sum[g]);
     __m256i acc[RT];
     for (int r = 0; r < RT; ++r) acc[r] = start;

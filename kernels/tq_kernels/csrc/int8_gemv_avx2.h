@@ -155,13 +155,10 @@ inline void dot_rows_small(const Problem& P, const Row& x, int64_t row, __m256i 
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t c0 = g * group;
     const int64_t nch = std::min(chunks, (P.n - c0) / kChunk);
-    for (int r = 0; r < RT; ++r) {
-      for (int64_t off = 0; off < group / 4; off += 64)
-        __builtin_prefetch(p0[r] + c0 / 4 + kPrefetch + off, 0, 2);
-      if constexpr (BITS == 3)
-        for (int64_t off = 0; off < group / 8; off += 64)
-          __builtin_prefetch(p1[r] + c0 / 8 + kPrefetch / 2 + off, 0, 2);
-    }
+    // the row's bytes in step with its groups, both planes (as int8_gemv.h)
+    for (int r = 0; r < RT; ++r)
+      for (int64_t off = 0; off < group * BITS / 8; off += 64)
+        __builtin_prefetch(p0[r] + g * (group * BITS / 8) + kPrefetch + off, 0, 2);
     __m256i acc[RT];
     for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_si256();
     for (int64_t c = 0; c < nch; ++c) {
