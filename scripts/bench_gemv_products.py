@@ -15,7 +15,7 @@ the small shapes (a decode step reads them once per token, from L2/L3 on SmolLM2
 Then the 8-bit heads of SmolLM2 (49152x576, 28 MB) and the Qwen2.5-0.5B shape (151936x896,
 136 MB: larger than a desktop L3, so it streams from memory), on the uniform codebook a
 stored head has (levels k - 127.5: an affine grid), random codes and scales, float32 and
-int8 products (int8 where `native_int8_gemv(8)`: the AVX2 variant).
+int8 products (int8 where `native_int8_gemv(8)`: AVX2, or AVX-512 with VNNI).
 """
 
 from __future__ import annotations

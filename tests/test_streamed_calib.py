@@ -234,8 +234,12 @@ def test_the_process_group_is_gone_after_destroy_though_a_module_bound_it() -> N
     def gloo_threads(how: str) -> int:
         proc = subprocess.run([sys.executable, "-c", _GROUP_OUTLIVES, how],
                               capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        # torch's own init may abort at exit (the hazard itself): the count is printed first
+        assert proc.returncode == 0 or how == "torch", proc.stderr[-2000:]
+        assert proc.stdout.split(), proc.stderr[-2000:]
         return int(proc.stdout.split()[-1])
 
-    assert gloo_threads("torch") > 0  # the hazard is real with torch's own init
+    # the hazard is real with torch's own init (torch 2.13; a torch that binds no group at
+    # import would fail this line, and the import in tq_cli.parallel could then go)
+    assert gloo_threads("torch") > 0
     assert gloo_threads("tq") == 0

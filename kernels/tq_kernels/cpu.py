@@ -12,7 +12,7 @@ the 4-bit weight's own error (docs/decisions.md). `TQ_CPU_GEMM=fp32` keeps float
 products for a process, `set_gemm_precision()` switches from Python, `gemm_precision()`
 says which one runs. That GEMM is torch's (oneDNN), so TQ_CPU_ISA does not cap it.
 Decode-sized batches take the lookup-table GEMV in float32, except one activation row of
-a 2-4-bit layer (and, in the AVX2 variant, of an 8-bit one on an affine grid: the head),
+a 2-4-bit layer (and of an 8-bit one on an affine grid: the head),
 which takes faster products where the CPU has them, under the same switch: int8 ones on
 CPUs with AVX512-VNNI (2- and 3-bit layers also need VBMI) and in the AVX2 variant
 (csrc/int8_gemv.h, llama.cpp's way: activations rounded to int8 per group), bf16 ones on
@@ -153,8 +153,8 @@ def _gemv_choice() -> str:
 
 
 def gemv_choice() -> str:
-    """The products asked for in the one-row GEMV of 2-4-bit layers (and the AVX2
-    variant's affine 8-bit ones): "int8" or "bf16"
+    """The products asked for in the one-row GEMV of 2-4-bit layers (and affine 8-bit
+    ones): "int8" or "bf16"
     (`set_gemv_products`, or TQ_CPU_GEMV as read when the kernel loaded or at the last
     `set_gemv_products` call); `gemv_products` says what a layer runs."""
     return _gemv_choice()
@@ -166,7 +166,7 @@ def _sync_gemv() -> None:
 
 def set_gemv_products(products: str | None) -> None:
     """Ask for "int8" (the default) or "bf16" products in the one-row GEMV of 2-4-bit
-    layers (and the AVX2 variant's affine 8-bit ones: "bf16" gives them float32) from
+    layers (and affine 8-bit ones: "bf16" gives them float32) from
     now on, in this process, while bf16 products are asked for (int8 still needs the
     CPU's support, `native_int8_gemv`); None goes back to TQ_CPU_GEMV or the default.
     Unlike the GEMM's precision, a compiled decode step follows this at once."""

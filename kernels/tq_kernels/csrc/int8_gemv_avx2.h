@@ -238,12 +238,14 @@ inline void dot_rows8(const Problem& P, const Row& x, int64_t row) {
     for (int r = 0; r < RT; ++r) {
       const float s = _cvtsh_ss(sp[r][g]) * x.scale[g];
       tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(s), tot[r]);
-      sums[r] += s * static_cast<float>(x.sum[g]);
+      sums[r] = std::fma(s, static_cast<float>(x.sum[g]), sums[r]);  // as int8_gemv.h
     }
   }
   const float a = P.affine[0], b = P.affine[1];
-  for (int r = 0; r < RT; ++r)
-    P.y[row + r] = b * hsum8(tot[r]) + (a + 128.f * b) * sums[r];
+  for (int r = 0; r < RT; ++r) {
+    const float shift = (a + 128.f * b) * sums[r];
+    P.y[row + r] = std::fma(b, hsum8(tot[r]), shift);
+  }
 }
 
 // (qualified calls: the arguments' namespace holds the AVX-512 templates of these names)

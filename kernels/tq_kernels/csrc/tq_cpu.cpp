@@ -12,7 +12,7 @@
 // torch's spinning threads); from gemm_min_batch rows on it dequantizes row blocks into a
 // reused buffer and calls torch's GEMM, in float32 or (bf16_gemm, on CPUs with native
 // bf16 dot products) in bfloat16 with float32 accumulation; with bf16_gemm a one-row GEMV
-// of a 2-4-bit layer (and, in the AVX2 variant, of an 8-bit one on an affine grid) takes
+// of a 2-4-bit layer (and of an 8-bit one on an affine grid, the head's) takes
 // int8 products where the CPU has them (int8_gemv.h; off with set_gemv_int8), else bf16
 // ones on a CPU with them (bf16_gemv.h). The SIMD variant is picked at run time with
 // __builtin_cpu_supports, so a cached build never executes an instruction the CPU lacks.
