@@ -96,25 +96,6 @@ def quantized_model(ref: nn.Module, checkpoint: Path) -> nn.Module:
     return cand
 
 
-def calibration_ids(ref: nn.Module, tok: Any, source: str, data: str, tokens: int,
-                    seqlen: int = 512) -> torch.Tensor:
-    """[tokens // seqlen, seqlen] ids, as tq convert's self-calibration draws them."""
-    from tq_cli.calibration.random_tokens import random_text, random_token_ids
-
-    n = tokens // seqlen
-    if data == "random":
-        ids = tok(random_text(tok, tokens, 0, ref.config.vocab_size).text)["input_ids"]
-        return torch.tensor(ids[:n * seqlen]).view(n, seqlen)
-    from tq_cli.calibration.sampled_tokens import sampled_ids
-
-    special = {int(i) for i in tok.all_special_ids}
-    vocab = min(ref.config.vocab_size, tok.vocab_size)
-    first = random_token_ids(vocab, special, n, 0)
-    weights = sum(p.numel() for p in ref.parameters())
-    return sampled_ids(Path(source), weights, n, seqlen, first, special, 0,
-                       torch.device("cpu"), vocab)
-
-
 def _out(y: Any) -> torch.Tensor:
     return y[0] if isinstance(y, tuple | list) else y
 
@@ -180,8 +161,10 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tq_cli.calibration.random_tokens import self_calibration_ids
     from tq_cli.evaluation.compare import causal_metrics
     from tq_cli.io.text import Text, evaluation_text
+    from tq_cli.planning.prepare import plan_source
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.reference)
@@ -191,7 +174,8 @@ def main() -> None:
     t0 = time.perf_counter()
     before = causal_metrics(ref, cand, ids, 512, None)
     print(f"before: KL {before['kl_mean']:.4f}", file=sys.stderr, flush=True)
-    seqs = calibration_ids(ref, tok, args.reference, args.data, args.tokens)
+    seqs = self_calibration_ids(plan_source(args.reference, None), args.tokens, 0, "cpu",
+                                sampled=args.data == "sampled")[0]
     ids_sha = Text(" ".join(map(str, seqs.view(-1).tolist())), "ids").sha256
     rows = tune(ref, cand, seqs, args.steps, args.lr, args.batch)
     after = causal_metrics(ref, cand, ids, 512, None)

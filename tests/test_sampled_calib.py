@@ -10,10 +10,11 @@ import torch
 from typer.testing import CliRunner
 
 from tq_cli.app import app
-from tq_cli.calibration.random_tokens import synthetic_run
+from tq_cli.calibration.random_tokens import self_calibration_ids, synthetic_run
 from tq_cli.calibration.sampled_tokens import sampled_ids
 from tq_cli.conversion.spec import ConvertSpec
 from tq_cli.io.manifest import read_manifest
+from tq_cli.io.text import Text
 from tq_cli.planning.prepare import plan_source
 
 
@@ -69,7 +70,12 @@ def test_the_cli_converts_with_sampled_text(tiny_llama: Path, tmp_path: Path) ->
                                  "--synthetic-calib", "128", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["bits_per_weight"] > 4
-    assert read_manifest(tmp_path / "o")["calibration"]["synthetic"] == "model-sampled"
+    record = read_manifest(tmp_path / "o")["calibration"]
+    assert record["synthetic"] == "model-sampled"
+    # the studies' helper draws the very ids the conversion ran on
+    ids, rec = self_calibration_ids(plan_source(tiny_llama, None), 128, 0, "cpu", sampled=True)
+    assert Text(" ".join(map(str, ids.view(-1).tolist())), "").sha256 == record["ids_sha256"]
+    assert rec["ids_sha256"] == record["ids_sha256"]
 
 
 def test_sampled_needs_self_calibration() -> None:

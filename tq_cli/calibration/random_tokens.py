@@ -191,6 +191,19 @@ def special_ids(config: dict[str, Any]) -> set[int]:
     return out
 
 
+def self_calibration_ids(planned: PlannedSource, tokens: int, seed: int, device: str,
+                         sampled: bool = False) -> tuple[torch.Tensor, dict]:
+    """[samples, seqlen] token ids exactly as `tq convert`'s self-calibration draws them
+    (random vocabulary tokens, or text the model samples), and the record the manifest
+    keeps: for studies that run the conversion's calibration outside it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tq-ids-") as folder:
+        run, record = synthetic_run(planned, tokens, seed, Path(folder), device,
+                                    sampled=sampled)
+        return run.seqs, record
+
+
 def synthetic_calibration(planned: PlannedSource, tokens: int, seed: int, folder: Path,
                           device: str, sampled: bool = False) -> tuple[Path, dict]:
     """Write a random-token (or model-sampled) calibration file for a planned source under
