@@ -183,6 +183,8 @@ def run(ref: nn.Module, planned: Any, seqs: torch.Tensor, mode: str,
             hs, outs = collect(fb, fp_in, every)
             fit(i, qb, every, hs)
             fp_in = [with_hidden(a, k, y) for (a, k), y in zip(fp_in, outs, strict=True)]
+            print(f"{mode}: block {i} {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
             continue
         if mode == "block":
             hs, _ = collect(fb, q_in, every)

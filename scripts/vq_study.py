@@ -43,10 +43,11 @@ def _nearest(x: torch.Tensor, c: torch.Tensor, chunk: int = 8192) -> torch.Tenso
 
 
 def kmeans(x: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
-    """k centroids of the rows of x (Lloyd's algorithm on a random sample of rows, 32 of
-    them per centroid at least where x has them; fewer steps for large codebooks)."""
+    """k centroids of the rows of x: Lloyd's algorithm on a random sample of the rows
+    (KMEANS_SAMPLES of them, or 16 per centroid where that is more), half the steps for
+    codebooks of more than 256 points."""
     gen = torch.Generator().manual_seed(seed)
-    samples = min(x.shape[0], max(KMEANS_SAMPLES, 32 * k) if k <= 256 else 16 * k)
+    samples = min(x.shape[0], max(KMEANS_SAMPLES, 16 * k))
     x = x[torch.randperm(x.shape[0], generator=gen)[:samples]]
     c = x[torch.randperm(x.shape[0], generator=gen)[:k]].clone()
     for _ in range(KMEANS_STEPS if k <= 256 else KMEANS_STEPS // 2):

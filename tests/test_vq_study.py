@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,36 @@ def _up(h: torch.Tensor) -> torch.Tensor:
 def _weighted(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
     d = (w - w_hat).double()
     return float(((d @ h.double()) * d).sum())
+
+
+def test_each_code_minimises_the_error_gptq_carries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One code of two columns: the choice is the argmin of (w - s c) H (w - s c)^T over
+    the codebook, H's off-diagonal included (a Euclidean choice would differ)."""
+    vq = _study()
+    gen = torch.Generator().manual_seed(2)
+    book = torch.randn(64, 2, generator=gen)
+    monkeypatch.setattr(vq, "kmeans", lambda x, k, seed=0: book)
+    h = torch.tensor([[1.0, 0.9], [0.9, 1.0]])
+    w = torch.randn(200, 2, generator=gen)
+    w_hat = vq.gptq_vq(w, _up(h), 2, 3)
+    s = w.pow(2).mean(1, keepdim=True).sqrt()
+    d = w[:, None, :] - s[:, :, None] * book[None]  # [rows, codes, 2]
+    best = torch.einsum("rki,ij,rkj->rk", d, h, d).argmin(1)
+    assert torch.allclose(w_hat, s * book[best], atol=1e-6)
+    euclid = d.pow(2).sum(-1).argmin(1)
+    assert (best != euclid).any()  # the test tells the two rules apart
+
+
+def test_lazy_batches_give_the_updates_of_column_by_column_gptq() -> None:
+    vq = _study()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 256, generator=gen)
+    x = torch.randn(1024, 256, generator=gen) @ torch.randn(256, 256, generator=gen) * 0.1
+    h = x.T @ x / x.shape[0] + 0.01 * torch.eye(256)
+    for d in (1, 2):
+        lazy = _weighted(w, vq.gptq_vq(w, _up(h), d, 3, block=128), h)
+        eager = _weighted(w, vq.gptq_vq(w, _up(h), d, 3, block=d), h)
+        assert abs(lazy - eager) <= 1e-3 * eager, d
 
 
 def test_pairs_round_gaussian_weights_closer_than_scalar_codes_at_the_same_bits() -> None:
