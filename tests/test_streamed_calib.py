@@ -185,8 +185,13 @@ def test_two_gloo_ranks_convert_as_one_process(llama4: Path, tmp_path: Path) -> 
                 assert ta[key] == pytest.approx(tb[key], rel=5e-3), (ta["name"], key)
     for k in a:
         if k.endswith(".scales"):
-            torch.testing.assert_close(a[k].float(), b[k].float(),  # type: ignore[union-attr]
-                                       rtol=2e-2, atol=1e-4)
+            x, y = a[k].float(), b[k].float()  # type: ignore[union-attr]
+            # a code the summation order flips (0.1% of them may, above) moves its
+            # group's refit scale: a few groups of 32, by a few percent (2 of 600 by up
+            # to 5.8% on an Intel CPU under the AVX2 caps)
+            off = ~torch.isclose(x, y, rtol=2e-2, atol=1e-4)
+            assert int(off.sum()) <= max(1, x.numel() // 100), (k, int(off.sum()))
+            torch.testing.assert_close(x, y, rtol=0.15, atol=1e-3)
 
 
 def test_two_gloo_ranks_calibrate_as_one_process(llama4: Path, tmp_path: Path) -> None:
