@@ -71,19 +71,15 @@ def _out(y: Any) -> torch.Tensor:
 @torch.no_grad()
 def collect(block: nn.Module, inputs: list[tuple[tuple, dict]],
             paths: list[str]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """Mean x x^T at each sublayer in `paths` over the block run on `inputs`, and the
-    block's outputs."""
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
+    """Mean x x^T at each sublayer in `paths` over the block run on `inputs` (the
+    calibration's own accumulator, `InputGroup`), and the block's outputs."""
+    from tq_cli.calibration.hessian import InputGroup
+
+    groups = {p: InputGroup(p, {p: p}, block.get_submodule(p).in_features) for p in paths}
 
     def hook(path: str) -> Any:
         def pre(_m: nn.Module, args: tuple) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            if path not in sums:
-                sums[path] = torch.zeros(x.shape[1], x.shape[1])
-                counts[path] = 0
-            sums[path].addmm_(x.T, x)
-            counts[path] += x.shape[0]
+            groups[path].add(path, args[0])
         return pre
 
     handles = [block.get_submodule(p).register_forward_pre_hook(hook(p)) for p in paths]
@@ -92,7 +88,11 @@ def collect(block: nn.Module, inputs: list[tuple[tuple, dict]],
     finally:
         for h in handles:
             h.remove()
-    return {p: sums[p] / counts[p] for p in paths}, outs
+    means = {}
+    for p, g in groups.items():
+        assert g.h is not None
+        means[p] = g.h / g.tokens
+    return means, outs
 
 
 @torch.no_grad()

@@ -3,20 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
+
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cli_reference",
-                                                  ROOT / "scripts" / "cli_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("cli_reference")
 
 
 def test_cli_reference_is_current() -> None:

@@ -3,22 +3,23 @@ come from this function, so it is checked against what GPTQ and vector codes pro
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_loader import load_script
 
 
 def _study() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vq_study", ROOT / "scripts" / "vq_study.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("vq_study")
+
+
+def _correlated(rows: int, seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gaussian weight [rows, 256] and the H of correlated inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, 256, generator=gen)
+    x = torch.randn(tokens, 256, generator=gen) @ torch.randn(256, 256, generator=gen) * 0.1
+    return w, x.T @ x / x.shape[0] + 0.01 * torch.eye(256)
 
 
 def _up(h: torch.Tensor) -> torch.Tensor:
@@ -51,10 +52,7 @@ def test_each_code_minimises_the_error_gptq_carries(monkeypatch: pytest.MonkeyPa
 
 def test_lazy_batches_give_the_updates_of_column_by_column_gptq() -> None:
     vq = _study()
-    gen = torch.Generator().manual_seed(3)
-    w = torch.randn(32, 256, generator=gen)
-    x = torch.randn(1024, 256, generator=gen) @ torch.randn(256, 256, generator=gen) * 0.1
-    h = x.T @ x / x.shape[0] + 0.01 * torch.eye(256)
+    w, h = _correlated(32, 3, 1024)
     for d in (1, 2):
         lazy = _weighted(w, vq.gptq_vq(w, _up(h), d, 3, block=128), h)
         eager = _weighted(w, vq.gptq_vq(w, _up(h), d, 3, block=d), h)
@@ -74,10 +72,7 @@ def test_pairs_round_gaussian_weights_closer_than_scalar_codes_at_the_same_bits(
 
 def test_error_feedback_lowers_the_output_error_for_every_code_width() -> None:
     vq = _study()
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(48, 256, generator=gen)
-    x = torch.randn(2048, 256, generator=gen) @ torch.randn(256, 256, generator=gen) * 0.1
-    h = x.T @ x / x.shape[0] + 0.01 * torch.eye(256)
+    w, h = _correlated(48, 1, 2048)
     for d in (1, 2, 4):
         plain = vq.gptq_vq(w, torch.eye(256), d, 2)  # no feedback: nearest codes
         fed = vq.gptq_vq(w, _up(h), d, 2)
