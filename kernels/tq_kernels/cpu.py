@@ -87,6 +87,10 @@ def _register_fakes() -> None:
                     reuse_input: bool = True) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], out_features))
 
+    def linear_registered_fake(x: torch.Tensor, handle: int, out_features: int
+                               ) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], out_features))
+
     def rotate_fake(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
         return x.new_empty(x.shape)  # the operator returns a contiguous tensor
 
@@ -95,6 +99,7 @@ def _register_fakes() -> None:
         return q.new_empty((*q.shape[:-1], v.shape[-1]))  # contiguous, as the operator's
 
     torch.library.register_fake("tq_cpu::linear", linear_fake)
+    torch.library.register_fake("tq_cpu::linear_registered", linear_registered_fake)
     torch.library.register_fake("tq_cpu::rotate", rotate_fake)
     torch.library.register_fake("tq_cpu::decode_attention", decode_attention_fake)
 
@@ -293,6 +298,40 @@ def native_args() -> tuple[int, int, bool, bool]:
     the one it rotated last."""
     _require()
     return _cap(), GEMM_MIN_BATCH, _fast_requested(), False
+
+
+def register(signs: torch.Tensor | None, block: int, codes: torch.Tensor,
+             scales: torch.Tensor, codebook: torch.Tensor, outlier_idx: torch.Tensor,
+             outlier_val: torch.Tensor, bias: torch.Tensor | None, *, bits: int,
+             group_size: int, in_features: int, out_features: int,
+             native: tuple[int, int, bool, bool] | None = None, handle: int = -1) -> int:
+    """Check a layer once and keep it in the kernel library (references to its tensors, no
+    copy where they are in the kernel's dtypes) with the settings of `native` (default:
+    `native_args()`); returns the handle `linear_registered` calls it by. handle >= 0
+    replaces that registered layer (its tensors changed) and keeps the handle. The caller
+    unregisters it (`unregister`) when it is done with it."""
+    isa, gemm_min_batch, bf16, _ = native_args() if native is None else native
+    return int(torch.ops.tq_cpu.register_layer(
+        signs, block, codes, scales, codebook, outlier_idx, outlier_val, bias, bits,
+        group_size, in_features, out_features, isa, gemm_min_batch, bf16, handle))
+
+
+def unregister(handle: int) -> None:
+    """Drop a registered layer (its tensors' references); an unknown handle is ignored."""
+    if available():
+        torch.ops.tq_cpu.unregister_layer(handle)
+
+
+def registered() -> int:
+    """How many layers are registered now."""
+    return int(torch.ops.tq_cpu.registered_layers()) if available() else 0
+
+
+def linear_registered(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """`linear` through a registered layer: the same result, bit for bit, without the
+    packed tensors as arguments (what a compiled decode step records, one operator per
+    layer; input reuse off, as `native_args`)."""
+    return torch.ops.tq_cpu.linear_registered.default(x, handle, out_features)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

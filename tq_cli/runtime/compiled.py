@@ -7,8 +7,10 @@ transformers' own static KV cache and compile the decode step with `torch.compil
 (inductor, which fuses the elementwise work into C++ loops), the way transformers
 already does on CUDA:
 
-- each TQLinear records tq's native operator directly (`TQLinear.prepare_native`; the
-  operator has a shape-only implementation for tracing, `tq_kernels.cpu`);
+- each TQLinear records tq's native operator directly, on the layer registered with the
+  kernel library beforehand (`TQLinear.prepare_native`: the step passes its activations
+  and a handle, not ~1,000 packed tensors; the operator has a shape-only implementation
+  for tracing, `tq_kernels.cpu`);
 - the static cache is sized in buckets (`bucket`: powers of two from 256 tokens), so a
   later call with a few more tokens reuses the compiled step instead of compiling again;
   a call that may run past MAX_CACHE tokens runs eagerly (a static cache is read whole
@@ -244,6 +246,10 @@ def enable_compiled(model: Any) -> bool:
                 log.info("tq: generate() runs eagerly: the model changed after its decode "
                          "step compiled (a hook, a module or an attribute)")
                 own = False
+        if own:  # a packed tensor replaced since the last call: register it again
+            for m in self.modules():
+                if isinstance(m, TQLinear):
+                    m.refresh_native()
         if quantizer is not None:  # transformers compiles only what this call allows
             quantizer.compileable = own
         if own:  # set per call: a caller's own cache gets no "cannot compile" warning

@@ -13,6 +13,7 @@ that layers only reference.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -138,7 +139,7 @@ class TQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global _warned_fallback
-        native = self.__dict__.get("native_args")
+        native = self.__dict__.get("native_call")
         if native is not None and x.device.type == "cpu" and torch.compiler.is_compiling():
             return self._native_forward(x, native)
         if x.is_cuda and self.backend != "triton" and not _warned_fallback:
@@ -156,33 +157,72 @@ class TQLinear(nn.Module):
                                out_features=self.out_features, in_features=self.in_features)
         return y if y.dtype == dtype else y.to(dtype)
 
-    def _native_forward(self, x: torch.Tensor, native: tuple[int, int, bool, bool]
-                        ) -> torch.Tensor:
-        """The CPU kernel called directly, with its settings fixed beforehand
-        (`prepare_native`): what a compiled decode step records, one operator per layer
-        and none of the dispatch's checks, which tracing would have to guard on."""
-        w, rot, dtype = self.weight, self.rotation, x.dtype
-        t = self.col_scale
+    def _native_forward(self, x: torch.Tensor, native: tuple[int, int]) -> torch.Tensor:
+        """The CPU kernel called directly on this layer as registered (`prepare_native`):
+        what a compiled decode step records, one operator per layer with the activations
+        and the layer's handle only, none of the dispatch's checks (which tracing would
+        have to guard on) and none of the packed tensors (which the step would take as
+        inputs, about 1,000 on SmolLM2, handed over before every step)."""
+        t, dtype = self.col_scale, x.dtype
         if t is not None:
             x = dispatch.scale_columns(x, t)
-        signs = rot.signs if rot is not None else None
-        y = torch.ops.tq_cpu.linear.default(
-            x, signs, rot.block if rot is not None else 0, w.codes, w.scales, w.codebook,
-            w.outlier_idx, w.outlier_val, self.bias, self.bits, self.group_size,
-            self.out_features, *native)
+        y = torch.ops.tq_cpu.linear_registered.default(x, *native)
         return y if y.dtype == dtype else y.to(dtype)
 
+    def _native_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        w, rot = self.weight, self.rotation
+        return (rot.signs if rot is not None else None, w.codes, w.scales, w.codebook,
+                w.outlier_idx, w.outlier_val, self.bias)
+
     def prepare_native(self, native: tuple[int, int, bool, bool] | None) -> None:
-        """Give a compiled forward the CPU kernel's settings
-        (`tq_kernels.cpu.native_args`); None: compiled forwards take the dispatch path.
-        Only for a layer on the CPU with a Hadamard rotation or none."""
-        if native is not None:
-            rot = self.rotation
-            if self.weight.codes.device.type != "cpu" or (
-                    rot is not None and rot.kind != "hadamard"):
-                raise ValueError("the native CPU kernel serves CPU layers with a Hadamard "
-                                 "rotation (or none)")
-        self.__dict__["native_args"] = native
+        """Register this layer with the CPU kernel under the settings `native`
+        (`tq_kernels.cpu.native_args`) for compiled forwards to call by its handle; None:
+        unregister it (compiled forwards take the dispatch path). Only for a layer on the
+        CPU with a Hadamard rotation or none. The registration holds references to the
+        packed tensors: `refresh_native` registers them again if they were replaced."""
+        from tq_kernels import cpu
+
+        held = self.__dict__.pop("native_registration", None)
+        self.__dict__.pop("native_call", None)
+        if held is not None:
+            held[2]()  # the finalizer: unregisters now
+        if native is None:
+            return
+        rot = self.rotation
+        if self.weight.codes.device.type != "cpu" or (rot is not None and rot.kind != "hadamard"):
+            raise ValueError("the native CPU kernel serves CPU layers with a Hadamard "
+                             "rotation (or none)")
+        handle = self._register(native, -1)
+        done = weakref.finalize(self, cpu.unregister, handle)
+        done.atexit = False  # the library's registry goes with the process
+        self.__dict__["native_registration"] = (native, self._native_key(), done)
+        self.__dict__["native_call"] = (handle, self.out_features)
+
+    def refresh_native(self) -> bool:
+        """Register the packed tensors again (same handle) where one was replaced since
+        `prepare_native` (a new tensor object or storage; values written in place need
+        nothing: the registration reads the same memory). Returns whether it did."""
+        held = self.__dict__.get("native_registration")
+        if held is None or held[1] == self._native_key():
+            return False
+        native, _, done = held
+        self._register(native, self.__dict__["native_call"][0])
+        self.__dict__["native_registration"] = (native, self._native_key(), done)
+        return True
+
+    def _native_key(self) -> tuple[tuple[int, int] | None, ...]:
+        return tuple(None if t is None else (id(t), t.data_ptr())
+                     for t in self._native_tensors())
+
+    def _register(self, native: tuple[int, int, bool, bool], handle: int) -> int:
+        from tq_kernels import cpu
+
+        w, rot = self.weight, self.rotation
+        return cpu.register(rot.signs if rot is not None else None,
+                            rot.block if rot is not None else 0, w.codes, w.scales,
+                            w.codebook, w.outlier_idx, w.outlier_val, self.bias, bits=self.bits,
+                            group_size=self.group_size, in_features=self.in_features,
+                            out_features=self.out_features, native=native, handle=handle)
 
     def dequantize(self) -> torch.Tensor:
         """The weight in the original basis, float32 [out, in] (for export or debugging)."""

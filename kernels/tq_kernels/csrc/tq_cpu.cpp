@@ -29,6 +29,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -330,17 +332,11 @@ bool int8_gemv(const Problem& P, const Layer& l, int64_t M, bool bf16) {
 #endif
 }
 
-at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, int64_t block,
-                  const at::Tensor& codes_in, const at::Tensor& scales_in,
-                  const at::Tensor& codebook_in, const at::Tensor& outlier_idx_in,
-                  const at::Tensor& outlier_val_in, const std::optional<at::Tensor>& bias,
-                  int64_t bits, int64_t group_size, int64_t out_features, int64_t isa,
-                  int64_t gemm_min_batch, bool bf16_gemm, bool reuse_input) {
-  const at::Tensor x2 = activations(x);
-  const Layer l = checked_layer(x2, signs, block, codes_in, scales_in, codebook_in,
-                                outlier_idx_in, outlier_val_in, bias, bits, group_size,
-                                out_features, isa);
+// y for x (x2: its activations) through a checked layer (`checked_layer`).
+at::Tensor run_layer(const at::Tensor& x, const at::Tensor& x2, const Layer& l,
+                     int64_t gemm_min_batch, bool bf16_gemm, bool reuse_input) {
   const int64_t n = l.n, M = n > 0 ? x2.numel() / n : 0, out = l.out;
+  const int64_t bits = l.bits, block = l.block;
   const bool gemm = gemm_min_batch > 0 && M >= gemm_min_batch;
   at::Tensor dst = result_for(x, out);
   PrepCache& pc = prep_cache();
@@ -415,6 +411,21 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, i
   return x.scalar_type() == dst.scalar_type() ? dst : dst.to(x.scalar_type());
 }
 
+at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& signs, int64_t block,
+                  const at::Tensor& codes_in, const at::Tensor& scales_in,
+                  const at::Tensor& codebook_in, const at::Tensor& outlier_idx_in,
+                  const at::Tensor& outlier_val_in, const std::optional<at::Tensor>& bias,
+                  int64_t bits, int64_t group_size, int64_t out_features, int64_t isa,
+                  int64_t gemm_min_batch, bool bf16_gemm, bool reuse_input) {
+  const at::Tensor x2 = activations(x);
+  const Layer l = checked_layer(x2.size(-1), signs, block, codes_in, scales_in, codebook_in,
+                                outlier_idx_in, outlier_val_in, bias, bits, group_size,
+                                out_features, isa);
+  return run_layer(x, x2, l, gemm_min_batch, bf16_gemm, reuse_input);
+}
+
+#include "registry.inc"
+
 // x @ R for the blockwise randomized Hadamard R, in x's dtype (reference.rotate).
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, int64_t block) {
   const at::Tensor x2 = activations(x);
@@ -479,10 +490,18 @@ TORCH_LIBRARY(tq_cpu, m) {
   m.def("int8_gemv(int bits, int isa) -> bool", &tqcpu::int8_gemv_native);
   m.def("set_gemv_int8(bool on) -> ()", &tqcpu::set_gemv_int8);
   m.def("kernel_isa(int isa, int bits, int group_size) -> int", &tqcpu::kernel_isa);
+  m.def("register_layer(Tensor? signs, int block, Tensor codes, Tensor scales, "
+        "Tensor codebook, Tensor outlier_idx, Tensor outlier_val, Tensor? bias, int bits, "
+        "int group_size, int in_features, int out_features, int isa, int gemm_min_batch, "
+        "bool bf16_gemm, int handle=-1) -> int", &tqcpu::register_layer);
+  m.def("unregister_layer(int handle) -> ()", &tqcpu::unregister_layer);
+  m.def("registered_layers() -> int", &tqcpu::registered_layers);
+  m.def("linear_registered(Tensor x, int handle, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tq_cpu, CPU, m) {
   m.impl("linear", &tqcpu::linear);
+  m.impl("linear_registered", &tqcpu::linear_registered);
   m.impl("rotate", &tqcpu::rotate);
   m.impl("decode_attention", &tqcpu::decode_attention);
 }
