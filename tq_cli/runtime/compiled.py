@@ -145,13 +145,6 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(1, 2).contiguous(), None
 
 
-# The tensors converted layers hand to tq's operator, which checks their shapes (and
-# converts their dtypes) on every call, so dynamo need not check them before every step.
-# Not col_scale: its `x * t` is a compiled elementwise kernel, sized when it was traced.
-_PACKED = re.compile(r"\._buffers\['(codes|scales|codebook|outlier_idx|outlier_val|"
-                     r"signs)'\]$")
-
-
 _MODULE_TENSOR = re.compile(r"\._(parameters|buffers)\['[^']+'\]$")
 
 
@@ -161,16 +154,6 @@ def skip_module_tensor_guards(entries: list[Any]) -> list[bool]:
     compared once per generate() call, not before every step."""
     return [not (e.guard_type == "TENSOR_MATCH" and _MODULE_TENSOR.search(e.name))
             for e in entries]
-
-
-def skip_packed_tensor_guards(entries: list[Any]) -> list[bool]:
-    """A dynamo guard filter: keep every guard but the tensor checks (shape, dtype, strides)
-    on the packed tensors converted layers pass to tq's operator. A decode step re-checks
-    about 1,050 of those on SmolLM2 (+6% tokens/s without them, 1 thread); the operator
-    refuses a packed tensor of the wrong shape itself and converts other dtypes, and every
-    guard on the modules (a layer replaced, a hook added, `model.dequantize()`) still
-    recompiles."""
-    return [not (e.guard_type == "TENSOR_MATCH" and _PACKED.search(e.name)) for e in entries]
 
 
 def compile_options() -> dict[str, Any]:
@@ -375,6 +358,5 @@ __all__ = [
     "default_on",
     "enable_compiled",
     "fingerprint",
-    "skip_packed_tensor_guards",
     "why_not_compiled",
 ]
