@@ -5,6 +5,7 @@ tensors and lifetime."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 from pathlib import Path
@@ -150,5 +151,29 @@ def test_tqlinear_registration_follows_its_tensors_and_lifetime(llama_tq: Path) 
     layer.prepare_native(None)  # unregistered now
     assert cpu.registered() == before + len(layers) - 1
     del model, layers, layer, compiled
+    gc.collect()
+    assert cpu.registered() == before
+
+
+def test_a_copied_layer_registers_itself(llama_tq: Path) -> None:
+    """copy.deepcopy of a registered layer carries the original's handle in its plain
+    settings; its first refresh gives it its own, so the copy keeps working after the
+    original goes."""
+    gc.collect()
+    before = cpu.registered()
+    model = tq_cli.load(llama_tq, device="cpu", compile=False)
+    layer = next(m for m in model.modules() if isinstance(m, TQLinear))
+    layer.prepare_native(cpu.native_args())
+    twin = copy.deepcopy(layer)
+    assert twin.__dict__["native_call"] == layer.__dict__["native_call"]
+    assert twin.refresh_native() and not twin.refresh_native()
+    assert twin.__dict__["native_call"] != layer.__dict__["native_call"]
+    assert cpu.registered() == before + 2
+    del model, layer
+    gc.collect()
+    assert cpu.registered() == before + 1
+    x = torch.randn(2, twin.in_features, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(torch.compile(twin, backend="eager")(x), twin(x))
+    del twin
     gc.collect()
     assert cpu.registered() == before

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +23,10 @@ from tq_kernels import dispatch
 from tq_kernels.reference import dequantize_codes
 
 _warned_fallback = False
+# TQLinear -> (its packed tensors' identities when registered, the finalizer that
+# unregisters it): outside the module, so a copy of it carries only the plain settings
+_registrations: weakref.WeakKeyDictionary[nn.Module, tuple[Any, weakref.finalize]] = (
+    weakref.WeakKeyDictionary())
 
 
 class PackedWeight(nn.Module):
@@ -182,10 +187,11 @@ class TQLinear(nn.Module):
         packed tensors: `refresh_native` registers them again if they were replaced."""
         from tq_kernels import cpu
 
-        held = self.__dict__.pop("native_registration", None)
-        self.__dict__.pop("native_call", None)
+        held = _registrations.pop(self, None)
         if held is not None:
-            held[2]()  # the finalizer: unregisters now
+            held[1]()  # the finalizer: unregisters now
+        for key in ("native_call", "native_settings"):
+            self.__dict__.pop(key, None)
         if native is None:
             return
         rot = self.rotation
@@ -195,19 +201,26 @@ class TQLinear(nn.Module):
         handle = self._register(native, -1)
         done = weakref.finalize(self, cpu.unregister, handle)
         done.atexit = False  # the library's registry goes with the process
-        self.__dict__["native_registration"] = (native, self._native_key(), done)
+        _registrations[self] = (self._native_key(), done)
+        self.__dict__["native_settings"] = native
         self.__dict__["native_call"] = (handle, self.out_features)
 
     def refresh_native(self) -> bool:
         """Register the packed tensors again (same handle) where one was replaced since
         `prepare_native` (a new tensor object or storage; values written in place need
-        nothing: the registration reads the same memory). Returns whether it did."""
-        held = self.__dict__.get("native_registration")
-        if held is None or held[1] == self._native_key():
+        nothing: the registration reads the same memory); a copy of a registered layer
+        (`copy.deepcopy`) gets a registration of its own. Returns whether it registered."""
+        native = self.__dict__.get("native_settings")
+        if native is None:
             return False
-        native, _, done = held
+        held = _registrations.get(self)
+        if held is None:  # a copy: the handle it carries is the original's
+            self.prepare_native(native)
+            return True
+        if held[0] == self._native_key():
+            return False
         self._register(native, self.__dict__["native_call"][0])
-        self.__dict__["native_registration"] = (native, self._native_key(), done)
+        _registrations[self] = (self._native_key(), held[1])
         return True
 
     def _native_key(self) -> tuple[tuple[int, int] | None, ...]:
