@@ -95,8 +95,11 @@ def test_handles_are_replaced_in_place_and_refused_once_unregistered() -> None:
         cpu.linear_registered(torch.randn(1, 8), handle, OUT)
     cpu.unregister(handle)
     assert cpu.registered() == before
+    other = _register(a, _signs(), None, native)  # a freed handle is never given again
+    assert other != handle
     with pytest.raises(RuntimeError, match=f"no layer registered as {handle}"):
         cpu.linear_registered(x, handle, OUT)
+    cpu.unregister(other)
     with pytest.raises(RuntimeError, match=f"no layer registered as {handle} to replace"):
         _register(b, _signs(), None, native, handle=handle)
     cpu.unregister(handle)  # twice: ignored
@@ -145,9 +148,20 @@ def test_tqlinear_registration_follows_its_tensors_and_lifetime(llama_tq: Path) 
     handle = layer.__dict__["native_call"][0]
     codes = layer.weight.codes
     layer.weight.codes = torch.flip(codes, dims=[0]).contiguous()
+    new = layer(x)  # eagerly: the new codes
+    assert not torch.equal(new, old)
+    assert torch.equal(compiled(x), old)  # the compiled forward reads the registration
     assert layer.refresh_native() and layer.__dict__["native_call"][0] == handle
-    new = layer(x)
-    assert torch.equal(compiled(x), new) and not torch.equal(new, old)
+    assert torch.equal(compiled(x), new)
+    # written in place (as load_state_dict does): registered again, re-checked
+    layer.weight.codes.copy_(codes)
+    assert layer.refresh_native() and torch.equal(compiled(x), old)
+    layer.weight.outlier_idx.copy_(layer.weight.outlier_idx.flip(0))
+    if layer.weight.outlier_idx.numel() > 1:
+        with pytest.raises(RuntimeError, match="outlier_idx must be strictly ascending"):
+            layer.refresh_native()
+        layer.weight.outlier_idx.copy_(layer.weight.outlier_idx.flip(0))
+        assert layer.refresh_native()
     layer.prepare_native(None)  # unregistered now
     assert cpu.registered() == before + len(layers) - 1
     del model, layers, layer, compiled
@@ -177,3 +191,22 @@ def test_a_copied_layer_registers_itself(llama_tq: Path) -> None:
     del twin
     gc.collect()
     assert cpu.registered() == before
+
+
+def test_generate_registers_a_replaced_tensor_again(llama_tq: Path) -> None:
+    """A packed tensor replaced between two generate() calls of a compiled model: the
+    second call registers it again and decodes what the eager model does."""
+    ids = torch.randint(0, 320, (1, 8), generator=torch.Generator().manual_seed(4))
+    model = tq_cli.load(llama_tq, device="cpu", compile=True)
+    eager = tq_cli.load(llama_tq, device="cpu", compile=False)
+    assert model.tq_compiled
+    kw = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    with torch.no_grad():
+        first = model.generate(ids, **kw)
+        for m in (model, eager):
+            layer = next(x for x in m.modules() if isinstance(x, TQLinear))
+            layer.weight.codes = torch.flip(layer.weight.codes, dims=[0]).contiguous()
+        want = eager.generate(ids, **kw)
+        got = model.generate(ids, **kw)
+    assert not torch.equal(want, first)
+    assert torch.equal(got, want)

@@ -199,17 +199,17 @@ class TQLinear(nn.Module):
             raise ValueError("the native CPU kernel serves CPU layers with a Hadamard "
                              "rotation (or none)")
         handle = self._register(native, -1)
+        # at exit too: the registry's references go while Python still runs
         done = weakref.finalize(self, cpu.unregister, handle)
-        done.atexit = False  # the library's registry goes with the process
         _registrations[self] = (self._native_key(), done)
         self.__dict__["native_settings"] = native
         self.__dict__["native_call"] = (handle, self.out_features)
 
     def refresh_native(self) -> bool:
-        """Register the packed tensors again (same handle) where one was replaced since
-        `prepare_native` (a new tensor object or storage; values written in place need
-        nothing: the registration reads the same memory); a copy of a registered layer
-        (`copy.deepcopy`) gets a registration of its own. Returns whether it registered."""
+        """Register the packed tensors again (same handle) where one was replaced or
+        written in place since `prepare_native` (`_native_key`); a copy of a registered
+        layer (`copy.deepcopy`) gets a registration of its own. Returns whether it
+        registered."""
         native = self.__dict__.get("native_settings")
         if native is None:
             return False
@@ -223,8 +223,14 @@ class TQLinear(nn.Module):
         _registrations[self] = (self._native_key(), held[1])
         return True
 
-    def _native_key(self) -> tuple[tuple[int, int] | None, ...]:
-        return tuple(None if t is None else (id(t), t.data_ptr())
+    def _native_key(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """Each packed tensor's identity, storage and version: a write in place (as
+        load_state_dict's) registers the layer again, which re-checks it (the outliers'
+        order) and converts again what the kernel holds as a copy (a bf16 bias)."""
+        def version(t: torch.Tensor) -> int:
+            return -1 if t.is_inference() else t._version
+
+        return tuple(None if t is None else (id(t), t.data_ptr(), version(t))
                      for t in self._native_tensors())
 
     def _register(self, native: tuple[int, int, bool, bool], handle: int) -> int:
